@@ -1,0 +1,70 @@
+"""Exceptions raised by zcore.
+
+Every native error arrives as one of these, chosen by its status code, with
+the values the native side reported (requested bytes, free bytes, ...) as
+attributes and in ``details``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ZcoreError(Exception):
+    """Base class of zcore's exceptions."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
+        for key, value in details.items():
+            setattr(self, key, value)
+
+
+class InvalidArgumentError(ZcoreError, ValueError):
+    """A value the API does not accept (size, alignment, dtype, shape, ...)."""
+
+
+class OutOfArenaError(ZcoreError, MemoryError):
+    """No free range of an arena fits the request.
+
+    Attributes: ``requested``, ``free``, ``largest_free``, ``capacity`` (bytes).
+    """
+
+
+class InvalidHandleError(ZcoreError, ValueError):
+    """A block handle that is not live in this arena (freed twice, or foreign)."""
+
+
+class HostMemoryBudgetError(ZcoreError, MemoryError):
+    """A host-memory request would exceed its byte budget.
+
+    Attributes: ``requested``, ``available``, ``budget`` (bytes).
+    """
+
+
+class CudaUnavailableError(ZcoreError):
+    """A CUDA entry point was called where CUDA cannot be used."""
+
+
+class CudaError(ZcoreError):
+    """A CUDA runtime call failed."""
+
+
+class NativeOSError(ZcoreError, OSError):
+    """An operating-system call of the native core failed (see ``errno``)."""
+
+
+_BY_STATUS: dict[str, type[ZcoreError]] = {
+    "InvalidArgument": InvalidArgumentError,
+    "OutOfArena": OutOfArenaError,
+    "InvalidHandle": InvalidHandleError,
+    "OutOfBudget": HostMemoryBudgetError,
+    "CudaUnavailable": CudaUnavailableError,
+    "CudaError": CudaError,
+    "SystemError": NativeOSError,
+}
+
+
+def exception_for(status: str) -> type[ZcoreError]:
+    """The exception class for a native status code name (used by ``_C``)."""
+    return _BY_STATUS.get(status, ZcoreError)
