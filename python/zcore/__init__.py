@@ -6,7 +6,10 @@ package wires it into PyTorch.
 
 from zcore import _C
 from zcore.arena import Arena, Block
+from zcore.config import Config
+from zcore.engine import Engine
 from zcore.errors import (
+    ConfigError,
     CudaError,
     CudaUnavailableError,
     HostMemoryBudgetError,
@@ -17,6 +20,7 @@ from zcore.errors import (
     ZcoreError,
 )
 from zcore.host_memory import HostMemory
+from zcore.initialize import initialize
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
 
 __version__ = "0.1.0"
@@ -24,8 +28,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Arena",
     "Block",
+    "Config",
+    "ConfigError",
     "CudaError",
     "CudaUnavailableError",
+    "Engine",
     "HostMemory",
     "HostMemoryBudgetError",
     "InvalidArgumentError",
@@ -36,4 +43,5 @@ __all__ = [
     "build_info",
     "cuda_available",
     "cuda_unavailable_reason",
+    "initialize",
 ]

@@ -68,3 +68,7 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
 def exception_for(status: str) -> type[ZcoreError]:
     """The exception class for a native status code name (used by ``_C``)."""
     return _BY_STATUS.get(status, ZcoreError)
+
+
+class ConfigError(ZcoreError, ValueError):
+    """A config key that is unknown, unsupported, mistyped or inconsistent."""

@@ -1,0 +1,87 @@
+"""Process-group set-up and the few collectives zcore issues.
+
+zcore has no launcher of its own: under torchrun (env://) it joins the group
+torchrun describes; with no launcher it runs as a world of one. Collectives
+go through the names the installed torch offers (``all_gather_single`` and
+``reduce_scatter_single`` on recent torch, the ``*_tensor`` names before).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> DistributedContext:
+    """Joins (or creates) the default process group and picks this rank's device."""
+    if not dist.is_initialized():
+        launched = all(v in os.environ for v in _LAUNCHER_VARS)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if launched:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        else:
+            # No launcher: a world of one, with an in-memory store.
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistributedContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+    )
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    """``output`` (world x shard elements) receives every rank's ``shard`` in rank order."""
+    return _all_gather(output, shard, async_op=async_op)
+
+
+def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+    """``shard`` receives this rank's slice of the element-wise sum of ``full`` over ranks."""
+    return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        dist.broadcast(t, src=0)
+
+
+def wait_all(works: list[Optional[dist.Work]]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()

@@ -1,0 +1,306 @@
+"""zcore's configuration: DeepSpeed's JSON keys, validated with pydantic.
+
+A DeepSpeed user keeps their config file. Every key zcore implements has
+DeepSpeed's name, default and meaning; a key zcore deliberately does not
+implement is refused with the reason (it is accepted only when it carries
+DeepSpeed's default, which changes nothing); an unknown key or a wrong type is
+refused naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from zcore.config_keys import UNSUPPORTED_KEYS, split_unsupported
+from zcore.errors import ConfigError
+
+Auto = Literal["auto"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class AdamParams(_Section):
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
+    # torch.optim.Adam's L2 penalty.
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    amsgrad: Literal[False] = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas must both lie in [0, 1), got {v}")
+        return v
+
+
+class OptimizerConfig(_Section):
+    type: str
+    params: AdamParams = AdamParams()
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        canonical = {"adam": "Adam", "adamw": "AdamW"}.get(v.lower())
+        if canonical is None:
+            raise ValueError(
+                f"optimizer type {v!r} is not supported; use 'Adam' or 'AdamW', or pass a torch "
+                "optimizer (or a callable building one) to zcore.initialize(optimizer=...)"
+            )
+        return canonical
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type == "AdamW" or self.params.adam_w_mode
+
+
+class WarmupLRParams(_Section):
+    warmup_min_lr: float = 0.0
+    # None: the optimizer's lr (DeepSpeed's WarmupLR default).
+    warmup_max_lr: Optional[float] = None
+    warmup_num_steps: int = Field(1000, gt=0)
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: int = -1
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    warmup_max_lr: Optional[float] = 0.001
+    total_num_steps: int = Field(gt=0)
+
+
+class WarmupCosineLRParams(_Section):
+    total_num_steps: int = Field(gt=0)
+    warmup_min_ratio: float = 0.0
+    warmup_num_steps: int = Field(1000, gt=0)
+    cos_min_ratio: float = 0.0001
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: int = -1
+
+
+class WarmupLRScheduler(_Section):
+    type: Literal["WarmupLR"]
+    params: WarmupLRParams = WarmupLRParams()
+
+
+class WarmupDecayLRScheduler(_Section):
+    type: Literal["WarmupDecayLR"]
+    params: WarmupDecayLRParams
+
+
+class WarmupCosineLRScheduler(_Section):
+    type: Literal["WarmupCosineLR"]
+    params: WarmupCosineLRParams
+
+
+SchedulerConfig = Annotated[
+    Union[WarmupLRScheduler, WarmupDecayLRScheduler, WarmupCosineLRScheduler],
+    Field(discriminator="type"),
+]
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    # 0 selects dynamic loss scaling; a positive value is a static scale.
+    loss_scale: float = Field(0.0, ge=0)
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, gt=0)
+    hysteresis: int = Field(2, gt=0)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0)
+
+
+class OffloadOptimizerConfig(_Section):
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = False
+
+
+class ZeroConfig(_Section):
+    stage: Literal[0, 1, 2] = 0
+    reduce_bucket_size: int = Field(500_000_000, gt=0)
+    allgather_bucket_size: int = Field(500_000_000, gt=0)
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+
+    @field_validator("offload_optimizer", mode="before")
+    @classmethod
+    def _null_offload(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+
+class Config(_Section):
+    train_batch_size: Union[int, Auto, None] = None
+    train_micro_batch_size_per_gpu: Union[int, Auto, None] = None
+    gradient_accumulation_steps: Union[int, Auto, None] = None
+    gradient_clipping: float = Field(0.0, ge=0)
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    bf16: BF16Config = BF16Config()
+    fp16: FP16Config = FP16Config()
+    zero_optimization: ZeroConfig = ZeroConfig()
+    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    steps_per_print: int = Field(10, gt=0)
+    zero_allow_untested_optimizer: bool = False
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        return self
+
+    def batch_sizes(self, world_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro_batch_per_rank, gradient_accumulation_steps).
+
+        DeepSpeed's rule: train_batch_size = micro x accumulation x world_size;
+        any one of the three may be omitted (or "auto") and is inferred.
+        """
+        return resolve_batch_sizes(
+            _given(self.train_batch_size),
+            _given(self.train_micro_batch_size_per_gpu),
+            _given(self.gradient_accumulation_steps),
+            world_size,
+        )
+
+
+def _given(value: Union[int, str, None]) -> Optional[int]:
+    return None if value is None or value == "auto" else int(value)
+
+
+def resolve_batch_sizes(
+    train: Optional[int], micro: Optional[int], gas: Optional[int], world_size: int
+) -> tuple[int, int, int]:
+    for key, value in (
+        ("train_batch_size", train),
+        ("train_micro_batch_size_per_gpu", micro),
+        ("gradient_accumulation_steps", gas),
+    ):
+        if value is not None and value <= 0:
+            raise ConfigError(f"config key {key!r} must be a positive integer, got {value}")
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world_size:
+            raise ConfigError(
+                f"inconsistent batch sizes: train_batch_size ({train}) must equal "
+                f"train_micro_batch_size_per_gpu ({micro}) x gradient_accumulation_steps ({gas}) "
+                f"x world size ({world_size}) = {micro * gas * world_size}; fix one of them or "
+                "leave one out (or 'auto') to have it inferred"
+            )
+        return train, micro, gas
+    if train is not None and micro is not None:
+        gas, rest = divmod(train, micro * world_size)
+        if rest or gas == 0:
+            raise ConfigError(
+                f"train_batch_size ({train}) is not a multiple of train_micro_batch_size_per_gpu "
+                f"({micro}) x world size ({world_size}); adjust one of them"
+            )
+        return train, micro, gas
+    if train is not None:
+        gas = gas or 1
+        micro, rest = divmod(train, gas * world_size)
+        if rest or micro == 0:
+            raise ConfigError(
+                f"train_batch_size ({train}) is not a multiple of gradient_accumulation_steps "
+                f"({gas}) x world size ({world_size}); adjust one of them"
+            )
+        return train, micro, gas
+    if micro is not None:
+        gas = gas or 1
+        return micro * gas * world_size, micro, gas
+    raise ConfigError(
+        "the config must give train_batch_size or train_micro_batch_size_per_gpu (or both); "
+        "gradient_accumulation_steps alone cannot determine the batch size"
+    )
+
+
+def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
+    """A validated Config from a dict, a JSON file path, or a Config."""
+    if isinstance(config, Config):
+        return config
+    if config is None:
+        raise ConfigError("zcore.initialize needs a config (a dict or a path to a JSON file)")
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        raise ConfigError(
+            f"config must be a dict, a path to a JSON file or a zcore Config, got "
+            f"{type(config).__name__}"
+        )
+    raw, unsupported = split_unsupported(raw)
+    if unsupported:
+        raise ConfigError("\n".join(unsupported))
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    problems: dict[str, list[str]] = {}
+    for err in exc.errors():
+        if err["type"] == "extra_forbidden":
+            section, model = _walk(err["loc"][:-1])
+            key = ".".join([*section, str(err["loc"][-1])])
+            allowed = ", ".join(sorted(getattr(model, "model_fields", {}))) or "(none)"
+            text = f"unknown key {key!r}; allowed here: {allowed}"
+        else:
+            key = ".".join(_walk(err["loc"])[0])
+            text = f"{key or 'config'}: {err['msg']} (got {err.get('input')!r})"
+        problems.setdefault(key, []).append(text)
+    # A value that fails every branch of a union (an int or "auto", say)
+    # gives one error per branch: show them as one line.
+    lines = [" / ".join(dict.fromkeys(texts)) for texts in problems.values()]
+    return f"invalid zcore config ({len(lines)} problem(s)):\n  " + "\n  ".join(lines)
+
+
+def _walk(loc: tuple) -> tuple[list[str], Any]:
+    """The key path of an error location (union-branch tags skipped), and the
+    section model it leads to (None for a plain value)."""
+    models: list[Any] = [Config]
+    path = []
+    for part in map(str, loc):
+        owner = next((m for m in models if part in getattr(m, "model_fields", {})), None)
+        if owner is not None:
+            path.append(part)
+            models = _models_in(owner.model_fields[part].annotation)
+        else:
+            named = [m for m in models if _branch_tag(m) == part]
+            models = named or models
+    return path, (models[0] if models else None)
+
+
+def _models_in(annotation: Any) -> list[Any]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _branch_tag(model: Any) -> str:
+    field = getattr(model, "model_fields", {}).get("type")
+    args = get_args(field.annotation) if field is not None else ()
+    return str(args[0]) if len(args) == 1 else model.__name__
+
+
+__all__ = ["Config", "ConfigError", "UNSUPPORTED_KEYS", "load_config", "resolve_batch_sizes"]

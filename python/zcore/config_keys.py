@@ -1,0 +1,85 @@
+"""DeepSpeed config keys that zcore deliberately does not implement.
+
+Each entry: the dotted key, the value DeepSpeed uses by default (a config
+that carries exactly that value changes nothing and is accepted), and why the
+key is refused otherwise. ``_ANY`` marks keys refused whatever their value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ANY = object()
+
+UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
+    "zero_optimization.stage3_prefetch_bucket_size": (_ANY, "ZeRO stage 3 is not available yet"),
+    "zero_optimization.stage3_max_live_parameters": (_ANY, "ZeRO stage 3 is not available yet"),
+    "zero_optimization.stage3_max_reuse_distance": (_ANY, "ZeRO stage 3 is not available yet"),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        _ANY,
+        "ZeRO stage 3 is not available yet",
+    ),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        _ANY,
+        "ZeRO stage 3 is not available yet",
+    ),
+    "zero_optimization.offload_param": (_ANY, "parameter offload comes with ZeRO stage 3"),
+    "zero_optimization.sub_group_size": (_ANY, "optimizer sub-groups come with NVMe offload"),
+    "zero_optimization.round_robin_gradients": (
+        False,
+        "zcore's bucket layout gives each rank an equal share without it",
+    ),
+    "zero_optimization.load_from_fp32_weights": (True, "checkpoints always keep fp32 weights"),
+    "zero_optimization.elastic_checkpoint": (False, "zcore checkpoints reload at any world size"),
+    "zero_optimization.cpu_offload": (
+        False,
+        "use zero_optimization.offload_optimizer.device = 'cpu' (the current key)",
+    ),
+    "aio": (_ANY, "NVMe offload is not available yet"),
+    "amp": (_ANY, "use bf16.enabled or fp16.enabled (zcore's own mixed precision)"),
+    "activation_checkpointing": (_ANY, "use torch.utils.checkpoint in the model"),
+    "prescale_gradients": (False, "zcore reduces in the communication dtype without prescaling"),
+    "gradient_predivide_factor": (1.0, "zcore averages gradients after reduction"),
+    "sparse_gradients": (False, "sparse gradients are not supported"),
+    "wall_clock_breakdown": (False, "use the torch profiler"),
+    "dump_state": (False, "not supported"),
+    "memory_breakdown": (False, "use engine.memory_report()"),
+    "flops_profiler": (_ANY, "use the torch profiler"),
+    "tensorboard": (_ANY, "log from the training loop"),
+    "wandb": (_ANY, "log from the training loop"),
+    "csv_monitor": (_ANY, "log from the training loop"),
+    "comms_logger": (_ANY, "not supported"),
+    "autotuning": (_ANY, "not supported"),
+    "elasticity": (_ANY, "not supported"),
+    "pipeline": (_ANY, "pipeline parallelism is out of zcore's scope"),
+    "compression_training": (_ANY, "not supported"),
+    "data_efficiency": (_ANY, "not supported"),
+    "curriculum_learning": (_ANY, "not supported"),
+    "sparse_attention": (_ANY, "not supported"),
+    "checkpoint": (_ANY, "checkpoint options come with zcore's sharded checkpoints"),
+}
+
+
+def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
+    """The config without unsupported keys at their defaults, and one message
+    per unsupported key set to anything else."""
+    cleaned = _copy_dicts(raw)
+    problems = []
+    for dotted, (default, reason) in UNSUPPORTED_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        section = cleaned
+        for part in parents:
+            section = section.get(part) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or leaf not in section:
+            continue
+        value = section.pop(leaf)
+        if default is _ANY or value != default:
+            problems.append(
+                f"config key {dotted!r} = {value!r} is a DeepSpeed key zcore does not support: "
+                f"{reason}. Remove it from the config."
+            )
+    return cleaned, problems
+
+
+def _copy_dicts(d: dict) -> dict:
+    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}

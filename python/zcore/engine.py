@@ -1,0 +1,144 @@
+"""The training engine: what ``zcore.initialize`` returns.
+
+Shaped after DeepSpeed's engine: call it for the forward pass, then
+``backward(loss)`` and ``step()`` for every micro-batch; it scales the loss
+for accumulation (and fp16), and steps the optimizer only at accumulation
+boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from zcore.comm import DistributedContext
+from zcore.config import Config
+from zcore.memory_report import MemoryReport, measure_memory
+from zcore.sharded_optimizer import ShardedOptimizer
+
+log = logging.getLogger("zcore")
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_per_rank: int
+    gradient_accumulation_steps: int
+
+
+class Engine:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: ShardedOptimizer,
+        lr_scheduler: Any,
+        config: Config,
+        context: DistributedContext,
+        batch: BatchSizes,
+        hook_handles: list,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.context = context
+        self.batch = batch
+        self._hook_handles = hook_handles
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+
+    # Forward.
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # Backward and step.
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Back-propagates ``loss`` scaled for accumulation (and by the fp16 loss
+        scale); gradients are reduced across ranks as backward produces them."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"engine.backward expects a scalar loss tensor, got "
+                f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+            )
+        reducer = self.optimizer.reducer
+        reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
+        factor = self.optimizer.loss_scale / self.batch.gradient_accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward()
+        reducer.end_backward()
+        return loss
+
+    def step(self) -> None:
+        """Steps the optimizer at an accumulation boundary; counts the micro-step."""
+        if self.is_gradient_accumulation_boundary():
+            result = self.optimizer.step()
+            self.last_grad_norm = result.grad_norm
+            if result.skipped:
+                self.skipped_steps += 1
+                log.info(
+                    "step %d skipped: gradient overflow; loss scale now %g",
+                    self.global_steps,
+                    self.optimizer.loss_scale,
+                )
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.batch.train_batch_size
+            if self.context.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+                log.info(
+                    "step %d: lr %s, loss scale %g, skipped %d",
+                    self.global_steps,
+                    self.get_lr(),
+                    self.optimizer.loss_scale,
+                    self.skipped_steps,
+                )
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Gradients live in zcore's buffers and are cleared after each step;
+        this clears any ``.grad`` left on the module's parameters."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    # What DeepSpeed users query.
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes per rank held for parameters, gradients, optimizer states and
+        buffers: measured, beside what the stage's layout predicts."""
+        return measure_memory(self.module, self.optimizer, self.zero_stage, self.context.world_size)

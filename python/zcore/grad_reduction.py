@@ -1,0 +1,254 @@
+"""Gradient reduction across data-parallel ranks, overlapped with backward.
+
+Autograd's post-accumulate-grad hook hands each parameter's gradient to the
+reducer, which folds it into a unit buffer and frees ``param.grad``. A unit
+whose gradients are all in is reduced at once, asynchronously, while
+backward goes on. Units are launched in one fixed order on every rank (the
+reverse of their layout, as backward produces them), so ranks whose control
+flow differs still issue the same collectives in the same order; a unit
+waiting for a gradient that never comes is launched at the end of backward.
+
+Two policies:
+- ``AccumulateThenReduce`` (stages 0 and 1): gradients accumulate locally in
+  a full-size fp32 buffer across micro-steps and are reduced once, during the
+  backward of the boundary micro-step: all-reduce (stage 0, every rank keeps
+  the whole unit) or reduce-scatter into this rank's shard (stage 1).
+- ``ReduceScatterEveryMicroStep`` (stage 2): every micro-step's gradients are
+  reduce-scattered and accumulated in fp32 into this rank's shard; no
+  full-size fp32 gradient lives on a rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zcore import comm
+from zcore.partition import FlatUnit
+
+# Stage 2 keeps at most this many reduce-scatters in flight before retiring
+# the oldest, which bounds the transient unit-sized buffers.
+_MAX_IN_FLIGHT = 2
+
+
+class _UnitTracker:
+    """Which parameters of each unit have delivered a gradient this micro-step,
+    and the fixed launch order."""
+
+    def __init__(self, units: list[FlatUnit]) -> None:
+        self.units = units
+        self.missing = [len(u.params) for u in units]
+        self.arrived = [[False] * len(u.params) for u in units]
+        self.order = list(reversed(range(len(units))))
+        self.next = 0
+
+    def arrive(self, unit: int, index: int) -> bool:
+        """Records a gradient; True the first time this micro-step."""
+        if self.arrived[unit][index]:
+            return False
+        self.arrived[unit][index] = True
+        self.missing[unit] -= 1
+        return True
+
+    def launchable(self, flush: bool) -> list[int]:
+        """Units to launch now, in order: complete ones, or all when flushing."""
+        ready = []
+        while self.next < len(self.order):
+            unit = self.order[self.next]
+            if not flush and self.missing[unit] > 0:
+                break
+            ready.append(unit)
+            self.next += 1
+        return ready
+
+    def reset(self) -> None:
+        self.missing = [len(u.params) for u in self.units]
+        self.arrived = [[False] * len(u.params) for u in self.units]
+        self.next = 0
+
+
+class GradientReducer:
+    """Shared parts: hooks in, fp32 gradient shards and used-parameter flags out."""
+
+    def __init__(self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype) -> None:
+        self.units = units
+        self.world_size = world_size
+        self.reduce_dtype = reduce_dtype
+        self.tracker = _UnitTracker(units)
+        self.boundary = True
+        # 1 where a parameter received a gradient on this rank in the current
+        # accumulation window; all-reduced (max) at the boundary.
+        self.window_used = [torch.zeros(len(u.params), dtype=torch.int32) for u in units]
+        self._late_unit: int | None = None
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def on_grad(self, unit: int, index: int, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        self.window_used[unit][index] = 1
+        first = self.tracker.arrive(unit, index)
+        launched = self.tracker.order.index(unit) < self.tracker.next
+        if not first and launched and self._reduces_this_micro_step():
+            self._late_unit = unit
+        self._accumulate(unit, index, grad)
+        if first:
+            self._launch(self.tracker.launchable(flush=False))
+
+    def end_backward(self) -> None:
+        """Launches what is left, in order, and retires what must be done now."""
+        if self._late_unit is not None:
+            unit, self._late_unit = self._late_unit, None
+            raise RuntimeError(
+                f"a gradient for unit {unit} arrived after the unit was already reduced in this "
+                "backward (a parameter's gradient was accumulated twice, e.g. by reentrant "
+                "activation checkpointing); use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        self._launch(self.tracker.launchable(flush=True))
+        self._retire_all()
+        self.tracker.reset()
+
+    def used_params(self) -> list[torch.Tensor]:
+        """Per unit, 1 where some rank's parameter got a gradient this window."""
+        if self.world_size > 1:
+            flags = torch.cat(self.window_used)
+            comm.all_reduce_max(flags)
+            return list(flags.split([len(u.params) for u in self.units]))
+        return [f.clone() for f in self.window_used]
+
+    def end_window(self) -> None:
+        for f in self.window_used:
+            f.zero_()
+
+    # Policy-specific parts.
+    def _reduces_this_micro_step(self) -> bool:
+        raise NotImplementedError
+
+    def _accumulate(self, unit: int, index: int, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _launch(self, units: list[int]) -> None:
+        raise NotImplementedError
+
+    def _retire_all(self) -> None:
+        raise NotImplementedError
+
+    def grad_shard(self, unit: int) -> torch.Tensor:
+        """The averaged fp32 gradient of this rank's shard (valid at the boundary)."""
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+
+class AccumulateThenReduce(GradientReducer):
+    """Stages 0 (``sharded=False``: all-reduce) and 1 (reduce-scatter)."""
+
+    def __init__(
+        self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype, sharded: bool
+    ) -> None:
+        super().__init__(units, world_size, reduce_dtype)
+        self.sharded = sharded
+        self.acc = [torch.zeros(u.padded_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+        self.shards = (
+            [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+            if sharded
+            else self.acc
+        )
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
+
+    def _reduces_this_micro_step(self) -> bool:
+        return self.boundary
+
+    def _accumulate(self, unit: int, index: int, grad: torch.Tensor) -> None:
+        self.units[unit].param_slice(self.acc[unit], index).add_(grad.reshape(-1))
+
+    def _launch(self, units: list[int]) -> None:
+        if not self.boundary:
+            return
+        for u in units:
+            send = self.acc[u].to(self.reduce_dtype)  # a copy even in fp32: acc is reused
+            if self.sharded:
+                out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
+                work = comm.reduce_scatter_sum(out, send, async_op=True) if self.world_size > 1 else None
+                if work is None:
+                    out.copy_(send)
+            else:
+                out = send
+                work = comm.all_reduce_sum(out, async_op=True) if self.world_size > 1 else None
+            self._pending.append((u, out, send, work))
+
+    def _retire_all(self) -> None:
+        for u, out, _, work in self._pending:
+            if work is not None:
+                work.wait()
+            self.shards[u].copy_(out).div_(self.world_size)
+        self._pending.clear()
+        if self.boundary and self.sharded:
+            for a in self.acc:
+                a.zero_()
+
+    def grad_shard(self, unit: int) -> torch.Tensor:
+        return self.shards[unit]
+
+    def zero_grads(self) -> None:
+        for s in self.shards:
+            s.zero_()
+
+
+class ReduceScatterEveryMicroStep(GradientReducer):
+    """Stage 2."""
+
+    def __init__(self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype) -> None:
+        super().__init__(units, world_size, reduce_dtype)
+        self.shards = [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+        self.buckets: list[torch.Tensor | None] = [None] * len(units)
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
+
+    def _bucket(self, unit: int) -> torch.Tensor:
+        bucket = self.buckets[unit]
+        if bucket is None:
+            u = self.units[unit]
+            bucket = torch.zeros(u.padded_numel, dtype=self.reduce_dtype, device=u.flat.device)
+            self.buckets[unit] = bucket
+        return bucket
+
+    def _reduces_this_micro_step(self) -> bool:
+        return True
+
+    def _accumulate(self, unit: int, index: int, grad: torch.Tensor) -> None:
+        self.units[unit].param_slice(self._bucket(unit), index).add_(grad.reshape(-1))
+
+    def _launch(self, units: list[int]) -> None:
+        for u in units:
+            send = self._bucket(u)
+            self.buckets[u] = None
+            out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
+            if self.world_size > 1:
+                work = comm.reduce_scatter_sum(out, send, async_op=True)
+            else:
+                out.copy_(send)
+                work = None
+            self._pending.append((u, out, send, work))
+            while len(self._pending) > _MAX_IN_FLIGHT:
+                self._retire(self._pending.pop(0))
+
+    def _retire(self, entry: tuple[int, torch.Tensor, torch.Tensor, object]) -> None:
+        u, out, _, work = entry
+        if work is not None:
+            work.wait()
+        self.shards[u].add_(out.to(torch.float32), alpha=1.0 / self.world_size)
+
+    def _retire_all(self) -> None:
+        for entry in self._pending:
+            self._retire(entry)
+        self._pending.clear()
+
+    def grad_shard(self, unit: int) -> torch.Tensor:
+        return self.shards[unit]
+
+    def zero_grads(self) -> None:
+        for s in self.shards:
+            s.zero_()

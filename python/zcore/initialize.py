@@ -1,0 +1,156 @@
+"""``zcore.initialize``: from a model and a DeepSpeed-style config to an engine.
+
+Reads as the sequence of steps it performs: decode the config, join the
+process group, place and synchronise the model, pack trainable parameters
+into units, build fp32 master shards and the optimizer over them, pick the
+gradient-reduction policy of the stage, hook autograd, and wrap it all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from zcore import comm, hooks
+from zcore.config import Config, load_config
+from zcore.engine import BatchSizes, Engine
+from zcore.errors import ConfigError
+from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
+from zcore.lr_schedules import SCHEDULES
+from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
+from zcore.partition import FlatUnit, pack_units
+from zcore.precision import MixedPrecision, precision_from_config
+from zcore.sharded_optimizer import MasterShards, ShardedOptimizer
+
+OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Union[Config, dict, str, Path],
+    optimizer: OptimizerArg = None,
+    model_parameters: Optional[Iterable] = None,
+    training_data: Optional[torch.utils.data.Dataset] = None,
+    lr_scheduler: Any = None,
+    collate_fn: Optional[Callable] = None,
+) -> tuple[Engine, ShardedOptimizer, Optional[torch.utils.data.DataLoader], Any]:
+    """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the
+    data loader is None unless ``training_data`` is given, the scheduler None
+    unless configured or passed. ``optimizer`` may be None (built from the
+    config's ``optimizer`` section), a torch optimizer over the model's
+    parameters (zcore re-points it at the master shards), or a callable that
+    receives parameter groups and returns an optimizer.
+    """
+    cfg = load_config(config)
+    context = comm.init_distributed()
+    batch = BatchSizes(*cfg.batch_sizes(context.world_size))
+    precision = precision_from_config(cfg)
+
+    _place_and_synchronise(model, context)
+    groups = collect_param_groups(model, optimizer, model_parameters)
+    units = _pack(groups, cfg, context)
+    master = MasterShards(units, _master_device(cfg, context))
+    _cast_model(model, units, precision)
+
+    inner = build_optimizer(optimizer, cfg, groups, master.piece_of())
+    reducer = _reducer(cfg, units, context, precision)
+    handles = hooks.register_gradient_hooks(units, reducer)
+    sharded = ShardedOptimizer(
+        inner=inner,
+        master=master,
+        reducer=reducer,
+        precision=precision,
+        gradient_clipping=cfg.gradient_clipping,
+        world_size=context.world_size,
+        sharded=cfg.zero_optimization.stage > 0,
+    )
+    scheduler = _scheduler(cfg, lr_scheduler, sharded)
+    engine = Engine(model, sharded, scheduler, cfg, context, batch, handles)
+    loader = _data_loader(training_data, batch, context, collate_fn)
+    return engine, sharded, loader, scheduler
+
+
+def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedContext) -> None:
+    model.to(context.device)
+    if context.world_size > 1:
+        # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
+        with torch.no_grad():
+            comm.broadcast_from_rank0([*model.parameters(), *model.buffers()])
+
+
+def _pack(groups: ParamGroups, cfg: Config, context: comm.DistributedContext) -> list[FlatUnit]:
+    stage = cfg.zero_optimization.stage
+    num_shards = 1 if stage == 0 else context.world_size
+    shard_index = 0 if stage == 0 else context.rank
+    return pack_units(
+        groups.trainable,
+        cfg.zero_optimization.reduce_bucket_size,
+        num_shards,
+        shard_index,
+        context.device,
+    )
+
+
+def _master_device(cfg: Config, context: comm.DistributedContext) -> torch.device:
+    if cfg.zero_optimization.offload_optimizer.device == "cpu":
+        return torch.device("cpu")
+    return context.device
+
+
+def _cast_model(model: torch.nn.Module, units: list[FlatUnit], precision: MixedPrecision) -> None:
+    """Parameters and floating-point buffers to the compute dtype; the fp32
+    master shards were taken before, so they keep full precision."""
+    dtype = precision.compute_dtype
+    for unit in units:
+        unit.cast_(dtype)
+    in_units = {id(p) for u in units for p in u.params}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in in_units and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.to(dtype))
+
+
+def _reducer(
+    cfg: Config, units: list[FlatUnit], context: comm.DistributedContext, precision: MixedPrecision
+) -> GradientReducer:
+    stage = cfg.zero_optimization.stage
+    if stage == 2:
+        return ReduceScatterEveryMicroStep(units, context.world_size, precision.reduce_dtype)
+    return AccumulateThenReduce(units, context.world_size, precision.reduce_dtype, sharded=stage == 1)
+
+
+def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(
+            "a scheduler is both configured (config key 'scheduler') and passed to "
+            "zcore.initialize(lr_scheduler=...); keep one"
+        )
+    if cfg.scheduler is not None:
+        return SCHEDULES[cfg.scheduler.type](optimizer, cfg.scheduler.params)
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
+
+
+def _data_loader(
+    data: Optional[torch.utils.data.Dataset],
+    batch: BatchSizes,
+    context: comm.DistributedContext,
+    collate_fn: Optional[Callable],
+) -> Optional[torch.utils.data.DataLoader]:
+    if data is None:
+        return None
+    sampler = torch.utils.data.DistributedSampler(
+        data, num_replicas=context.world_size, rank=context.rank
+    )
+    return torch.utils.data.DataLoader(
+        data, batch_size=batch.micro_batch_per_rank, sampler=sampler, collate_fn=collate_fn
+    )

@@ -1,0 +1,106 @@
+"""The flat layout of trainable parameters: units, shards and pieces.
+
+Trainable parameters are packed, whole and in order, into *units* of at most
+``reduce_bucket_size`` elements (a larger parameter gets a unit of its own).
+Each unit is one flat buffer in the compute dtype, padded to a multiple of
+the number of shards, and the parameters become views into it. Shard ``r`` of
+a unit is the ``r``-th equal slice: one reduce-scatter per unit hands every
+rank exactly its shard of the gradients, and one all-gather per unit
+rebuilds the parameters from the shards. A *piece* is the part of one
+parameter that falls inside this rank's shard; the optimizer updates pieces,
+so a parameter without a gradient is skipped exactly as torch.optim skips it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    param_index: int  # position of the parameter in its unit
+    shard_start: int  # first element within this rank's shard
+    param_start: int  # first element within the flattened parameter
+    numel: int
+
+
+class FlatUnit:
+    """A group of whole parameters stored in one flat buffer."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        num_shards: int,
+        shard_index: int,
+        device: torch.device,
+    ) -> None:
+        self.params = params
+        self.num_shards = num_shards
+        self.shard_index = shard_index
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.padded_numel = -(-total // num_shards) * num_shards
+        self.shard_numel = self.padded_numel // num_shards
+        self.shard_start = shard_index * self.shard_numel
+        dtype = params[0].dtype
+        self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, offset in zip(params, self.offsets):
+                self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        self._point_params_at(self.flat)
+        self.pieces = self._pieces()
+
+    def _point_params_at(self, flat: torch.Tensor) -> None:
+        for p, offset in zip(self.params, self.offsets):
+            p.data = flat[offset : offset + p.numel()].view(p.shape)
+
+    def _pieces(self) -> list[Piece]:
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        pieces = []
+        for i, (p, offset) in enumerate(zip(self.params, self.offsets)):
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                pieces.append(Piece(i, start - lo, start - offset, end - start))
+        return pieces
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Re-store the flat buffer (and the parameter views) in ``dtype``."""
+        if dtype != self.flat.dtype:
+            self.flat = self.flat.to(dtype)
+            self._point_params_at(self.flat)
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a unit-sized flat tensor."""
+        return flat[self.shard_start : self.shard_start + self.shard_numel]
+
+    def param_slice(self, flat: torch.Tensor, param_index: int) -> torch.Tensor:
+        offset = self.offsets[param_index]
+        return flat[offset : offset + self.params[param_index].numel()]
+
+
+def pack_units(
+    params: list[torch.nn.Parameter],
+    bucket_numel: int,
+    num_shards: int,
+    shard_index: int,
+    device: torch.device,
+) -> list[FlatUnit]:
+    """Whole parameters, in order, into units of at most ``bucket_numel`` elements."""
+    units: list[FlatUnit] = []
+    current: list[torch.nn.Parameter] = []
+    current_numel = 0
+    for p in params:
+        if current and current_numel + p.numel() > bucket_numel:
+            units.append(FlatUnit(current, num_shards, shard_index, device))
+            current, current_numel = [], 0
+        current.append(p)
+        current_numel += p.numel()
+    if current:
+        units.append(FlatUnit(current, num_shards, shard_index, device))
+    return units

@@ -1,0 +1,168 @@
+"""The optimizer step over this rank's shard of every unit.
+
+Each rank holds fp32 master weights for its shards only, and a torch
+optimizer whose parameters are *pieces*: views into the master shards, one
+per parameter that overlaps the shard, grouped as the user's parameter groups
+were. At a boundary it unscales, checks for overflow, clips by the global
+norm, steps, writes the updated shard back into the compute-dtype parameters
+and all-gathers them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from zcore import comm
+from zcore.grad_reduction import GradientReducer
+from zcore.partition import FlatUnit
+from zcore.precision import MixedPrecision
+
+
+@dataclass(frozen=True)
+class StepResult:
+    skipped: bool  # an overflow (fp16) skipped the update on every rank
+    grad_norm: Optional[float]  # global norm before clipping, when computed
+
+
+class MasterShards:
+    """fp32 master copies of this rank's shards and the pieces viewing them."""
+
+    def __init__(self, units: list[FlatUnit], device: torch.device) -> None:
+        self.units = units
+        self.shards = [
+            u.shard(u.flat).detach().to(device=device, dtype=torch.float32, copy=True) for u in units
+        ]
+        # pieces[u][k] views self.shards[u] for units[u].pieces[k].
+        self.pieces = [
+            [
+                torch.nn.Parameter(shard[p.shard_start : p.shard_start + p.numel])
+                for p in unit.pieces
+            ]
+            for unit, shard in zip(units, self.shards)
+        ]
+
+    def piece_of(self) -> dict[int, list[torch.nn.Parameter]]:
+        """The pieces of each model parameter (keyed by id), for optimizer groups."""
+        out: dict[int, list[torch.nn.Parameter]] = {}
+        for unit, pieces in zip(self.units, self.pieces):
+            for meta, piece in zip(unit.pieces, pieces):
+                out.setdefault(id(unit.params[meta.param_index]), []).append(piece)
+        return out
+
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shards)
+
+
+class ShardedOptimizer:
+    """What ``engine.optimizer`` is: the inner torch optimizer over pieces,
+    plus the ZeRO step around it."""
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        master: MasterShards,
+        reducer: GradientReducer,
+        precision: MixedPrecision,
+        gradient_clipping: float,
+        world_size: int,
+        sharded: bool,
+    ) -> None:
+        self.inner = inner
+        self.master = master
+        self.reducer = reducer
+        self.precision = precision
+        self.gradient_clipping = gradient_clipping
+        self.world_size = world_size
+        self.sharded = sharded  # False for stage 0: every rank steps whole units
+        self.units = master.units
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.scaler.scale
+
+    def step(self) -> StepResult:
+        scaler = self.precision.scaler
+        self._attach_grads(self.reducer.used_params())
+        inv_scale = 1.0 / scaler.scale
+        norm = None
+        if self.gradient_clipping > 0 or scaler.checks_overflow:
+            norm = self._global_norm(inv_scale)
+            if not math.isfinite(norm):
+                scaler.update(overflow=True)
+                self._end_step()
+                return StepResult(skipped=True, grad_norm=norm)
+        coefficient = inv_scale
+        if self.gradient_clipping > 0:
+            clip = self.gradient_clipping / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
+            if clip < 1.0:
+                coefficient *= clip
+        if coefficient != 1.0:
+            for u in range(len(self.units)):
+                self.reducer.grad_shard(u).mul_(coefficient)
+        self.inner.step()
+        scaler.update(overflow=False)
+        self._publish()
+        self._end_step()
+        return StepResult(skipped=False, grad_norm=norm)
+
+    def _attach_grads(self, used: list[torch.Tensor]) -> None:
+        # A parameter that got no gradient on any rank keeps grad None, so the
+        # optimizer skips it (no decay, no moment update), as torch.optim does.
+        for u, unit in enumerate(self.units):
+            shard = self.reducer.grad_shard(u)
+            for meta, piece in zip(unit.pieces, self.master.pieces[u]):
+                if used[u][meta.param_index]:
+                    piece.grad = shard[meta.shard_start : meta.shard_start + meta.numel]
+                else:
+                    piece.grad = None
+
+    def _global_norm(self, inv_scale: float) -> float:
+        squares = torch.zeros((), dtype=torch.float64)
+        for u in range(len(self.units)):
+            shard = self.reducer.grad_shard(u)
+            squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double().cpu() ** 2
+        if self.sharded and self.world_size > 1:
+            comm.all_reduce_sum(squares)
+        return math.sqrt(squares.item()) * inv_scale
+
+    def _publish(self) -> None:
+        """Master shards -> compute-dtype parameters on every rank."""
+        works = []
+        for unit, shard in zip(self.units, self.master.shards):
+            local = unit.shard(unit.flat)
+            local.copy_(shard)
+            if self.sharded and self.world_size > 1:
+                works.append(comm.all_gather_into(unit.flat, local.clone(), async_op=True))
+        comm.wait_all(works)
+
+    def _end_step(self) -> None:
+        for pieces in self.master.pieces:
+            for piece in pieces:
+                piece.grad = None
+        self.reducer.zero_grads()
+        self.reducer.end_window()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero_grads()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 master plus the inner
+        optimizer's state tensors."""
+        total = sum(s.numel() * s.element_size() for s in self.master.shards)
+        for state in self.inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
