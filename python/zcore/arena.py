@@ -93,7 +93,7 @@ class Arena:
         compaction. The block's bytes are not initialised.
         """
         shape = _check_shape(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         nbytes = shape.numel() * itemsize
         handle = self._native.allocate(nbytes, max(alignment, itemsize))
         return Block(handle=handle, shape=shape, dtype=dtype, nbytes=nbytes)

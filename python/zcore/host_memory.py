@@ -54,7 +54,7 @@ class HostMemory:
         the last tensor viewing them is gone.
         """
         shape = torch.Size(shape)
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         if nbytes <= 0:
             raise InvalidArgumentError(
                 f"host tensor of shape={tuple(shape)} has no elements; give a shape with "

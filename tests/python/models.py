@@ -63,9 +63,41 @@ class FrozenMLP(nn.Module):
         return self.head(torch.tanh(self.hidden(torch.tanh(self.frozen(x)))))
 
 
+class BranchMLP(nn.Module):
+    """An MLP with a branch taken only on some calls: its parameters get no
+    gradient on the ranks (or steps) that skip it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP}
+
+
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(1234)
-    return {"gpt": TinyGPT, "mlp": FrozenMLP}[name]()
+    return MODELS[name]()
+
+
+def takes_branch(step: int, rank: int) -> bool:
+    """Branch schedule: with one rank, skipped on every other step (unused
+    everywhere); with several, used by some ranks on each step."""
+    return (step + rank) % 2 == 0
+
+
+def forward(name: str, model: nn.Module, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    if name == "branch":
+        return model(x, use_branch=takes_branch(step, rank))
+    return model(x)
 
 
 def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,71 +1,133 @@
-"""Training loops shared by the engine tests: zcore on N ranks, and the plain
-single-process reference over the same global batches."""
+"""Training loops shared by the engine tests: zcore on N ranks, and a plain
+single-process reference over the same global batches.
+
+A global batch of GLOBAL_BATCH rows is split into world x accumulation parts;
+part q = m * world + r is rank r's micro-batch m. The reference computes the
+same parts in one process, accumulates their fp32 gradients and steps
+torch.optim.AdamW on fp32 master weights (in fp32 training the master is the
+model itself).
+"""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 
 import zcore
-from models import global_batch, loss_of, make_model
+from models import forward, global_batch, loss_of, make_model
 
 GLOBAL_BATCH = 8
 LR = 1e-2
 WEIGHT_DECAY = 0.01
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_SCALE_POWER = 8  # small enough that these models never overflow
 
 
-def zcore_config(stage: int, gas: int, clip: float, **extra) -> dict:
-    return {
+def zcore_config(stage: int, gas: int, clip: float, precision: str = "fp32", **extra) -> dict:
+    config = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         # Small buckets: several units per model, so ordering and overlap matter.
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
-        **extra,
     }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": FP16_SCALE_POWER}
+    return {**config, **extra}
+
+
+def rows(part: int, parts: int) -> slice:
+    micro = GLOBAL_BATCH // parts
+    return slice(part * micro, (part + 1) * micro)
 
 
 def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int) -> dict:
-    """Trains on this rank's share of each global batch; returns the mean loss
-    per step (over ranks and micro-steps) and the final parameters in fp32."""
+    """Trains on this rank's parts of each global batch; returns the mean loss
+    per step (over ranks and micro-steps), the final parameters in fp32 and
+    the engine's memory report."""
     engine, _, _, _ = zcore.initialize(model=make_model(model_name), config=config)
     gas = engine.gradient_accumulation_steps()
-    micro = engine.train_micro_batch_size_per_gpu()
     dtype = engine.optimizer.precision.compute_dtype
     losses = []
     for step in range(steps):
         x, y = global_batch(model_name, step, GLOBAL_BATCH)
         total = torch.zeros(())
         for m in range(gas):
-            rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
-            xs = x[rows] if model_name == "gpt" else x[rows].to(dtype)
-            loss = loss_of(model_name, engine(xs), y[rows])
+            part = rows(m * world + rank, world * gas)
+            xs = x[part] if model_name == "gpt" else x[part].to(dtype)
+            loss = loss_of(model_name, forward(model_name, engine, xs, step, rank), y[part])
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "engine_steps": engine.global_steps}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "memory": engine.memory_report(),
+    }
 
 
-def train_reference(model_name: str, clip: float, steps: int) -> dict:
-    model = make_model(model_name)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+def train_reference(
+    model_name: str, clip: float, steps: int, world: int, gas: int, precision: str = "fp32"
+) -> dict:
+    master = make_model(model_name)
+    dtype = DTYPES[precision]
+    model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+    pairs = [(mp, cp) for mp, cp in zip(master.parameters(), model.parameters()) if mp.requires_grad]
+    opt = torch.optim.AdamW([mp for mp, _ in pairs], lr=LR, weight_decay=WEIGHT_DECAY)
+    scale = 2.0**FP16_SCALE_POWER if precision == "fp16" else 1.0
+    parts = world * gas
     losses = []
     for step in range(steps):
         x, y = global_batch(model_name, step, GLOBAL_BATCH)
-        loss = loss_of(model_name, model(x), y)
-        loss.backward()
+        total = 0.0
+        for q in range(parts):
+            part = rows(q, parts)
+            xs = x[part] if model_name == "gpt" else x[part].to(dtype)
+            out = forward(model_name, model, xs, step, rank=q % world)
+            loss = loss_of(model_name, out, y[part])
+            (loss * (scale / parts)).backward()
+            total += loss.item()
+            if model is not master:  # accumulate in fp32, as zcore does
+                for mp, cp in pairs:
+                    if cp.grad is not None:
+                        g = cp.grad.float()
+                        mp.grad = g if mp.grad is None else mp.grad + g
+                        cp.grad = None
+        for mp, _ in pairs:
+            if mp.grad is not None:
+                mp.grad /= scale
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            torch.nn.utils.clip_grad_norm_([mp for mp, _ in pairs], clip)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        if model is not master:
+            with torch.no_grad():
+                for mp, cp in pairs:
+                    cp.copy_(mp)
+        losses.append(total / parts)
+    return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def assert_matches(
+    got: dict, ref: dict, loss_tolerance: float, label: str, param_tolerance: float | None = None
+) -> None:
+    param_tolerance = loss_tolerance if param_tolerance is None else param_tolerance
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        assert abs(a - b) <= loss_tolerance * abs(b), f"{label}: step {step} loss {a} vs {b}"
+    assert got["params"].keys() == ref["params"].keys(), label
+    for name, value in got["params"].items():
+        err = relative_error(value, ref["params"][name])
+        assert err <= param_tolerance, f"{label}: parameter {name} off by {err:.2e}"

@@ -1,0 +1,87 @@
+"""bf16 and fp16 training against a single-process mixed-precision reference,
+and fp16 overflow handling.
+
+Tolerances: both sides run the same bf16/fp16 forward and backward on the
+same micro-batches and accumulate in fp32, so they differ only by the order
+of fp32 gradient sums. That moves the fp32 master weights by ~1e-7 relative,
+which now and then flips the rounding of a weight to the compute dtype by one
+ulp (2^-8 relative in bf16, 2^-11 in fp16). The compared parameters are
+stored in the compute dtype, so a single flip in a small tensor is already
+one ulp of relative error: parameters must agree within two ulps. The loss
+averages over many weights; measured differences over 20 steps were 5.6e-4
+(bf16) and 6.3e-5 (fp16), bounded here with ~4x margin.
+"""
+
+import math
+
+import pytest
+import torch
+
+import zcore
+from distributed import run_ranks
+from models import global_batch, loss_of, make_model
+from training import assert_matches, train_reference, train_zcore, zcore_config
+
+STEPS = 20
+LOSS_TOLERANCE = {"bf16": 2e-3, "fp16": 2.5e-4}
+PARAM_TOLERANCE = {"bf16": 2.0**-7, "fp16": 2.0**-10}
+VARIANTS = [("gpt", 2, 0.05), ("mlp", 1, 0.0)]
+
+
+def run_precisions(rank, world):
+    return {
+        (precision, model, gas, clip, stage): train_zcore(
+            rank, world, model, zcore_config(stage, gas, clip, precision), STEPS
+        )
+        for precision in ("bf16", "fp16")
+        for stage in (0, 1, 2)
+        for model, gas, clip in VARIANTS
+    }
+
+
+def test_bf16_and_fp16_match_the_mixed_precision_reference():
+    world = 2
+    results = run_ranks(run_precisions, world, timeout=600)
+    for (precision, model, gas, clip, stage), got in results[0].items():
+        label = f"{precision} {model} stage {stage} gas {gas} clip {clip}"
+        assert got["skipped_steps"] == 0, label
+        ref = train_reference(model, clip, STEPS, world, gas, precision)
+        assert_matches(got, ref, LOSS_TOLERANCE[precision], label, PARAM_TOLERANCE[precision])
+
+
+def train_with_injected_inf(rank, world, stage, bad_step, bad_rank):
+    config = zcore_config(stage, 1, 0.0, "fp16")
+    config["fp16"].update(hysteresis=1)
+    engine, _, _, _ = zcore.initialize(model=make_model("mlp"), config=config)
+    micro = engine.train_micro_batch_size_per_gpu()
+    record = []
+    for step in range(4):
+        x, y = global_batch("mlp", step, 8)
+        part = slice(rank * micro, (rank + 1) * micro)
+        loss = loss_of("mlp", engine(x[part].half()), y[part])
+        if step == bad_step and rank == bad_rank:
+            loss = loss * math.inf  # every gradient on this rank becomes inf or nan
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        scale = engine.loss_scale
+        engine.backward(loss)
+        engine.step()
+        changed = any(
+            not torch.equal(before[n], p) for n, p in engine.module.named_parameters()
+        )
+        record.append({"scale_before": scale, "scale_after": engine.loss_scale, "changed": changed})
+    return {"record": record, "skipped": engine.skipped_steps, "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage):
+    bad_step = 2
+    results = run_ranks(train_with_injected_inf, 2, stage, bad_step, 1, timeout=300)
+    for rank, result in enumerate(results):
+        assert result["skipped"] == 1 and result["steps"] == 4, f"rank {rank}"
+        for step, r in enumerate(result["record"]):
+            if step == bad_step:
+                assert not r["changed"], f"rank {rank} updated on the overflowing step"
+                assert r["scale_after"] == r["scale_before"] / 2
+            else:
+                assert r["changed"], f"rank {rank} skipped step {step}"
+                assert r["scale_after"] == r["scale_before"]
