@@ -1,0 +1,118 @@
+"""The config: DeepSpeed's keys and rules, and errors that name the key."""
+
+import json
+
+import pytest
+
+import zcore
+from zcore.config import load_config, resolve_batch_sizes
+
+
+def test_deepspeed_config_file_loads(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 32,
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}},
+                "bf16": {"enabled": True},
+                "zero_optimization": {
+                    "stage": 2,
+                    "overlap_comm": True,
+                    "contiguous_gradients": True,
+                    "reduce_bucket_size": 5e8,
+                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "round_robin_gradients": False,
+                },
+                "steps_per_print": 100,
+                "wall_clock_breakdown": False,
+            }
+        )
+    )
+    cfg = load_config(path)
+    assert cfg.batch_sizes(world_size=4) == (32, 4, 2)
+    assert cfg.optimizer.params.betas == (0.9, 0.95)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.scheduler.params.warmup_max_lr == 0.001  # DeepSpeed's WarmupDecayLR default
+
+
+@pytest.mark.parametrize(
+    ("train", "micro", "gas", "world", "expected"),
+    [
+        (32, 4, 2, 4, (32, 4, 2)),
+        (32, 4, None, 4, (32, 4, 2)),
+        (32, None, 2, 4, (32, 4, 2)),
+        (None, 4, 2, 4, (32, 4, 2)),
+        (32, None, None, 4, (32, 8, 1)),
+        (None, 4, None, 4, (16, 4, 1)),
+    ],
+)
+def test_batch_size_triple_is_inferred(train, micro, gas, world, expected):
+    assert resolve_batch_sizes(train, micro, gas, world) == expected
+
+
+@pytest.mark.parametrize(
+    ("train", "micro", "gas", "match"),
+    [
+        (30, 4, 2, "must equal"),
+        (30, 4, None, "not a multiple"),
+        (30, None, 4, "not a multiple"),
+        (None, None, 2, "must give train_batch_size"),
+        (0, 4, 1, "positive"),
+    ],
+)
+def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
+    with pytest.raises(zcore.ConfigError, match=match):
+        resolve_batch_sizes(train, micro, gas, 4)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"zero_optimization": {"stgae": 2}}, r"unknown key 'zero_optimization.stgae'; allowed here: .*stage"),
+        ({"train_batchsize": 8}, r"unknown key 'train_batchsize'.*train_batch_size"),
+        ({"zero_optimization": {"stage": "two"}}, r"zero_optimization.stage"),
+        ({"gradient_clipping": -1}, r"gradient_clipping"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
+        ({"optimizer": {"type": "Lamb"}}, r"optimizer.type.*'Lamb' is not supported"),
+        ({"scheduler": {"type": "OneCycle"}}, r"scheduler.*WarmupLR"),
+        ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, r"scheduler.params.total_num_steps"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, r"offload_optimizer.device"),
+        ({"amp": {"enabled": True}}, r"'amp'.*zcore does not support.*bf16.enabled"),
+        ({"activation_checkpointing": {}}, r"'activation_checkpointing'.*does not support"),
+        ({"wall_clock_breakdown": True}, r"'wall_clock_breakdown' = True"),
+        ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage"),
+    ],
+)
+def test_bad_keys_are_named(config, match):
+    with pytest.raises(zcore.ConfigError, match=match):
+        load_config({"train_batch_size": 8, **config})
+
+
+def test_unsupported_keys_at_deepspeed_defaults_are_accepted():
+    cfg = load_config({"train_batch_size": 8, "wall_clock_breakdown": False, "prescale_gradients": False})
+    assert cfg.train_batch_size == 8
+
+
+def test_file_errors_name_the_path(tmp_path):
+    with pytest.raises(zcore.ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(zcore.ConfigError, match="not valid JSON"):
+        load_config(bad)
+    with pytest.raises(zcore.ConfigError, match="must be a dict"):
+        load_config(42)
+
+
+def test_adam_type_follows_deepspeed_weight_decay_mode():
+    adam = load_config({"train_batch_size": 8, "optimizer": {"type": "Adam"}}).optimizer
+    assert adam.decoupled_weight_decay  # DeepSpeed's adam_w_mode defaults to True
+    l2 = load_config(
+        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}
+    ).optimizer
+    assert not l2.decoupled_weight_decay

@@ -1,0 +1,173 @@
+"""The engine's API as a DeepSpeed user drives it: counters, accumulation
+boundaries, schedulers, optimizers passed in, data loading, and errors."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import zcore
+from distributed import run_ranks
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def batch(step):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+
+
+def check_counters_and_schedule(rank, world):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": 1},
+    }
+    model = small_model()
+    engine, optimizer, loader, scheduler = zcore.initialize(model=model, config=config)
+    assert engine.module is model and optimizer is engine.optimizer and loader is None
+    assert engine.train_batch_size() == 12 and engine.zero_stage == 1
+    boundaries, lrs = [], []
+    for micro in range(6):
+        x, y = batch(micro)
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert boundaries == [False, False, True, False, False, True]
+    assert engine.global_steps == 2 and engine.micro_steps == 6 and engine.global_samples == 24
+    # WarmupLR (linear, 4 steps, max = the optimizer's lr), as DeepSpeed steps
+    # it: min lr at construction, and step() after the k-th optimizer step
+    # sets k-1 quarters of the way: 0, then 0.025.
+    assert lrs == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.0, 0.025])
+    assert scheduler.get_last_lr() == pytest.approx([0.025])
+    engine.eval()
+    assert not model.training
+    engine.train()
+    assert model.training
+    with pytest.raises(ValueError, match="scalar loss"):
+        engine.backward(torch.ones(3, requires_grad=True))
+    return True
+
+
+def reference_steps(make_optimizer, steps):
+    model = small_model()
+    opt = make_optimizer(model)
+    for step in range(steps):
+        x, y = batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def grouped_adamw(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=0.05
+    )
+
+
+def check_user_optimizers(rank, world):
+    steps = 5
+    expected = reference_steps(grouped_adamw, steps)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    for how in ("instance", "callable"):
+        model = small_model()
+        if how == "instance":
+            user_opt = grouped_adamw(model)
+            halve = torch.optim.lr_scheduler.LambdaLR(user_opt, lambda s: 1.0)
+            engine, opt, _, _ = zcore.initialize(model=model, config=config, optimizer=user_opt, lr_scheduler=halve)
+            assert opt.inner is user_opt and engine.lr_scheduler is halve
+        else:
+            def build(groups):
+                return torch.optim.AdamW(groups, lr=0.05)
+
+            decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+            no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+            engine, _, _, _ = zcore.initialize(
+                model=model, config=config, optimizer=build, model_parameters=groups
+            )
+        for step in range(steps):
+            x, y = batch(step)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        for got, want in zip(model.parameters(), expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    return True
+
+
+def check_errors_and_data(rank, world):
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"}}
+    model = small_model()
+    with pytest.raises(zcore.ConfigError, match="both configured"):
+        zcore.initialize(model=model, config=config, optimizer=torch.optim.Adam(model.parameters()))
+    model = small_model()
+    only_first = torch.optim.Adam(model[0].parameters())
+    with pytest.raises(ValueError, match=r"require grad but are in no optimizer group"):
+        zcore.initialize(model=model, config={"train_batch_size": 2}, optimizer=only_first)
+    model = small_model()
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(1, 8)).sum().backward()
+    stepped = torch.optim.Adam(model.parameters())
+    stepped.step()
+    with pytest.raises(ValueError, match="already has state"):
+        zcore.initialize(model=model, config={"train_batch_size": 2}, optimizer=stepped)
+    model = small_model()
+    with pytest.raises(zcore.ConfigError, match="zero_allow_untested_optimizer"):
+        zcore.initialize(
+            model=model,
+            config={"train_batch_size": 2, "zero_optimization": {"stage": 1}},
+            optimizer=torch.optim.LBFGS(model.parameters()),
+        )
+    with pytest.raises(zcore.ConfigError, match="no optimizer"):
+        zcore.initialize(model=small_model(), config={"train_batch_size": 2})
+
+    data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 2))
+    _, _, loader, _ = zcore.initialize(model=small_model(), config=config, training_data=data)
+    sizes = [len(x) for x, _ in loader]
+    assert sizes == [2, 2, 2, 2, 2]
+    return True
+
+
+def test_counters_boundaries_and_schedule_world1_without_launcher():
+    assert run_ranks(check_counters_and_schedule, 1, launcher=False, timeout=120) == [True]
+
+
+def test_user_optimizer_instance_and_callable_match_torch():
+    assert run_ranks(check_user_optimizers, 1, launcher=False, timeout=120) == [True]
+
+
+def test_errors_and_data_loader():
+    assert run_ranks(check_errors_and_data, 1, launcher=False, timeout=120) == [True]
+
+
+def die_after_first_step(rank, world):
+    engine, _, _, _ = zcore.initialize(
+        model=small_model(), config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"},
+                                     "zero_optimization": {"stage": 2}}
+    )
+    for step in range(3):
+        if step == 1 and rank == 1:
+            os._exit(3)
+        x, y = batch(step)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return True
+
+
+def test_a_dead_rank_fails_the_run_instead_of_hanging():
+    start = time.monotonic()
+    # Either the death itself is seen first, or rank 0 notices it in a collective.
+    with pytest.raises(RuntimeError, match=r"rank 1 died with exit code 3|rank 0 failed"):
+        run_ranks(die_after_first_step, 2, timeout=120)
+    assert time.monotonic() - start < 60
