@@ -169,7 +169,7 @@ class AccumulateThenReduce(GradientReducer):
         if not self.boundary:
             return
         for u in units:
-            send = self.acc[u].to(self.reduce_dtype)  # a copy even in fp32: acc is reused
+            send = self.acc[u].to(self.reduce_dtype)  # acc itself in fp32
             if self.sharded:
                 out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
                 work = comm.reduce_scatter_sum(out, send, async_op=True) if self.world_size > 1 else None

@@ -84,6 +84,11 @@ class FlatUnit:
         return flat[offset : offset + self.params[param_index].numel()]
 
 
+# Reductions overlap with backward one unit at a time, so units stay small
+# enough to pipeline even when reduce_bucket_size is DeepSpeed's default 5e8.
+MAX_UNIT_NUMEL = 1 << 22
+
+
 def pack_units(
     params: list[torch.nn.Parameter],
     bucket_numel: int,
@@ -91,7 +96,9 @@ def pack_units(
     shard_index: int,
     device: torch.device,
 ) -> list[FlatUnit]:
-    """Whole parameters, in order, into units of at most ``bucket_numel`` elements."""
+    """Whole parameters, in order, into units of at most ``bucket_numel``
+    (and MAX_UNIT_NUMEL) elements."""
+    bucket_numel = min(bucket_numel, MAX_UNIT_NUMEL)
     units: list[FlatUnit] = []
     current: list[torch.nn.Parameter] = []
     current_numel = 0

@@ -1,0 +1,1 @@
+"""The demonstration model and data that ship with zcore."""
