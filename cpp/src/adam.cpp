@@ -13,9 +13,7 @@
 namespace zcore {
 namespace {
 
-using adam_kernels::Decay;
 using adam_kernels::Kernels;
-using adam_kernels::StepConstants;
 
 // Elements per task: large enough that handing out a task costs nothing next
 // to running it, small enough to balance two to dozens of threads. A multiple
@@ -143,30 +141,6 @@ void check_tensor(const AdamTensor& t, std::size_t i, std::vector<Range>& ranges
   }
 }
 
-// Mirrors torch/optim/adam.py (_single_tensor_adam): Python doubles, rounded
-// to fp32 where they become kernel scalars.
-StepConstants step_constants(const AdamOptions& o) {
-  StepConstants c{};
-  c.grad_scale = static_cast<float>(o.grad_scale);
-  c.decay = o.weight_decay == 0.0 ? Decay::kNone
-            : o.decoupled_weight_decay ? Decay::kDecoupled
-                                       : Decay::kL2;
-  c.weight_decay = static_cast<float>(o.weight_decay);
-  c.decay_factor = static_cast<float>(1.0 - o.lr * o.weight_decay);
-  const double lerp_weight = 1.0 - o.beta1;
-  c.lerp_small_weight = std::fabs(static_cast<float>(lerp_weight)) < 0.5f;
-  c.lerp_weight = static_cast<float>(lerp_weight);
-  c.beta2 = static_cast<float>(o.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
-  const double step = static_cast<double>(o.step);
-  const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
-  const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
-  c.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
-  c.eps = static_cast<float>(o.eps);
-  c.neg_step_size = static_cast<float>(-(o.lr / bias_correction1));
-  return c;
-}
-
 struct Task {
   std::size_t tensor;
   std::int64_t begin;
@@ -187,14 +161,42 @@ std::vector<Task> split(std::size_t count, Numel numel_of) {
 
 }  // namespace
 
-void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensors, int threads) {
+// Mirrors torch/optim/adam.py (_single_tensor_adam): Python doubles, rounded
+// to fp32 where they become kernel scalars.
+AdamScalars adam_scalars(const AdamOptions& o) {
+  AdamScalars c{};
+  c.grad_scale = static_cast<float>(o.grad_scale);
+  c.decay = o.weight_decay == 0.0 ? WeightDecay::kNone
+            : o.decoupled_weight_decay ? WeightDecay::kDecoupled
+                                       : WeightDecay::kL2;
+  c.weight_decay = static_cast<float>(o.weight_decay);
+  c.decay_factor = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  const double lerp_weight = 1.0 - o.beta1;
+  c.lerp_small_weight = std::fabs(static_cast<float>(lerp_weight)) < 0.5f;
+  c.lerp_weight = static_cast<float>(lerp_weight);
+  c.beta2 = static_cast<float>(o.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+  const double step = static_cast<double>(o.step);
+  const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
+  const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
+  c.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  c.eps = static_cast<float>(o.eps);
+  c.neg_step_size = static_cast<float>(-(o.lr / bias_correction1));
+  return c;
+}
+
+void check_adam_arguments(const AdamOptions& options, const std::vector<AdamTensor>& tensors) {
   check_options(options);
-  check_threads(threads);
   std::vector<Range> ranges;
   for (std::size_t i = 0; i < tensors.size(); ++i) check_tensor(tensors[i], i, ranges);
   check_disjoint(std::move(ranges));
+}
+
+void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensors, int threads) {
+  check_threads(threads);
+  check_adam_arguments(options, tensors);
   const Kernels kernels = kernels_for(active_cpu_isa());
-  const StepConstants constants = step_constants(options);
+  const AdamScalars constants = adam_scalars(options);
   const std::vector<Task> tasks =
       split(tensors.size(), [&](std::size_t i) { return tensors[i].numel; });
   parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t k) {
@@ -203,9 +205,7 @@ void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensor
   });
 }
 
-GradStats unscale_and_check(const std::vector<GradBuffer>& buffers, double scale,
-                            bool write_back, int threads) {
-  check_threads(threads);
+void check_grad_buffers(const std::vector<GradBuffer>& buffers, double scale, bool write_back) {
   if (!std::isfinite(scale)) {
     invalid("invalid scale=" + std::to_string(scale) + ": must be finite");
   }
@@ -226,6 +226,12 @@ GradStats unscale_and_check(const std::vector<GradBuffer>& buffers, double scale
     ranges.push_back(range_of(at("buffers", i), b.data, b.numel, dtype_size(b.dtype)));
   }
   if (write_back) check_disjoint(std::move(ranges));
+}
+
+GradStats unscale_and_check(const std::vector<GradBuffer>& buffers, double scale,
+                            bool write_back, int threads) {
+  check_threads(threads);
+  check_grad_buffers(buffers, scale, write_back);
   const Kernels kernels = kernels_for(active_cpu_isa());
   const float scale32 = static_cast<float>(scale);
   const bool write = write_back && scale32 != 1.0f;

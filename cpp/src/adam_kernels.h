@@ -13,27 +13,8 @@ namespace zcore::adam_kernels {
 // of a buffer may fall inside a block, and that partial block is run padded.
 constexpr std::int64_t kBlock = 16;
 
-enum class Decay { kNone, kL2, kDecoupled };
-
-// The fp32 constants of one step, derived from AdamOptions in double the way
-// torch derives them in Python, then rounded to fp32 where torch's kernels
-// receive them.
-struct StepConstants {
-  float grad_scale;
-  Decay decay;
-  float weight_decay;      // kL2: g += weight_decay * p
-  float decay_factor;      // kDecoupled: p *= 1 - lr * weight_decay
-  bool lerp_small_weight;  // torch's lerp picks its formula by |weight| < 0.5
-  float lerp_weight;       // 1 - beta1
-  float beta2;
-  float one_minus_beta2;
-  float bias_correction2_sqrt;
-  float eps;
-  float neg_step_size;     // -lr / (1 - beta1^step)
-};
-
 // Elements [begin, end) of one tensor; begin is a multiple of kBlock.
-using AdamRangeFn = void (*)(const StepConstants&, const AdamTensor&, std::int64_t begin,
+using AdamRangeFn = void (*)(const AdamScalars&, const AdamTensor&, std::int64_t begin,
                              std::int64_t end);
 // Scales elements [begin, end) of one buffer (writing back if asked) and
 // returns the sum of squares, accumulated in 16 double lanes (lane j takes the

@@ -59,14 +59,14 @@ void store_from_float(void* base, std::int64_t i, typename V::F x) {
 
 // One register of elements starting at i, in torch's operation order.
 template <class V, class G, class O>
-void adam_register(const StepConstants& c, float* p, const void* g, float* m, float* v,
+void adam_register(const AdamScalars& c, float* p, const void* g, float* m, float* v,
                    void* out, std::int64_t i) {
   using F = typename V::F;
   F grad = V::mul(load_as_float<V, G>(g, i), V::set1(c.grad_scale));
   F param = V::load(p + i);
-  if (c.decay == Decay::kDecoupled) {
+  if (c.decay == WeightDecay::kDecoupled) {
     param = V::mul(param, V::set1(c.decay_factor));
-  } else if (c.decay == Decay::kL2) {
+  } else if (c.decay == WeightDecay::kL2) {
     grad = V::fma(V::set1(c.weight_decay), param, grad);  // torch's add(alpha=) is an fma
   }
   // torch's vectorized lerp: fma(w, end - start, start) for |w| < 0.5, else
@@ -75,9 +75,10 @@ void adam_register(const StepConstants& c, float* p, const void* g, float* m, fl
   const F diff = V::sub(grad, mom);
   mom = c.lerp_small_weight ? V::fma(V::set1(c.lerp_weight), diff, mom)
                             : V::fma(V::set1(c.lerp_weight - 1.0f), diff, grad);
-  // torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-  F sq = V::mul(V::load(v + i), V::set1(c.beta2));
-  sq = V::add(sq, V::mul(V::mul(V::set1(c.one_minus_beta2), grad), grad));
+  // torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2); its
+  // addcmul computes fma(value * g, g, self).
+  const F sq = V::fma(V::mul(V::set1(c.one_minus_beta2), grad), grad,
+                      V::mul(V::load(v + i), V::set1(c.beta2)));
   // torch: denom = sqrt(v) / bias_correction2_sqrt + eps;
   //        param.addcdiv_(m, denom, value=-step_size) = param + (value * m) / denom
   const F denom =
@@ -90,7 +91,7 @@ void adam_register(const StepConstants& c, float* p, const void* g, float* m, fl
 }
 
 template <class V, class G, class O>
-void adam_range_typed(const StepConstants& c, const AdamTensor& t, std::int64_t begin,
+void adam_range_typed(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                       std::int64_t end) {
   const std::int64_t full_end = begin + (end - begin) / kBlock * kBlock;
   for (std::int64_t i = begin; i < full_end; i += V::kWidth) {
@@ -122,7 +123,7 @@ void adam_range_typed(const StepConstants& c, const AdamTensor& t, std::int64_t 
 }
 
 template <class V, class G>
-void adam_range_grad(const StepConstants& c, const AdamTensor& t, std::int64_t begin,
+void adam_range_grad(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                      std::int64_t end) {
   if (t.params_out == nullptr) {
     adam_range_typed<V, G, NoOut>(c, t, begin, end);
@@ -134,7 +135,7 @@ void adam_range_grad(const StepConstants& c, const AdamTensor& t, std::int64_t b
 }
 
 template <class V>
-void adam_range(const StepConstants& c, const AdamTensor& t, std::int64_t begin,
+void adam_range(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                 std::int64_t end) {
   switch (t.grad_dtype) {
     case DType::kFloat32: adam_range_grad<V, float>(c, t, begin, end); break;

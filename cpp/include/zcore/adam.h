@@ -56,6 +56,31 @@ struct AdamTensor {
 // One Adam/AdamW step over every tensor, on up to `threads` threads.
 void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensors, int threads);
 
+// Throws what adam_step throws for bad options or tensors (shared with the
+// CUDA launcher, which sees the same arguments).
+void check_adam_arguments(const AdamOptions& options, const std::vector<AdamTensor>& tensors);
+
+enum class WeightDecay { kNone, kL2, kDecoupled };
+
+// The fp32 scalars of one step that every implementation (CPU ISA levels,
+// CUDA) applies, derived from AdamOptions in double the way torch derives
+// them in Python, then rounded to fp32 where torch's kernels receive them.
+struct AdamScalars {
+  float grad_scale;
+  WeightDecay decay;
+  float weight_decay;      // kL2: g += weight_decay * p
+  float decay_factor;      // kDecoupled: p *= 1 - lr * weight_decay
+  bool lerp_small_weight;  // torch's lerp picks its formula by |weight| < 0.5
+  float lerp_weight;       // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;     // -lr / (1 - beta1^step)
+};
+
+AdamScalars adam_scalars(const AdamOptions& options);
+
 // A gradient buffer for unscale_and_check; fp32, bf16 or fp16.
 struct GradBuffer {
   void* data = nullptr;
@@ -77,5 +102,8 @@ struct GradStats {
 // scaled value is inf or nan.
 GradStats unscale_and_check(const std::vector<GradBuffer>& buffers, double scale,
                             bool write_back, int threads);
+
+// Throws what unscale_and_check throws for bad buffers or scale.
+void check_grad_buffers(const std::vector<GradBuffer>& buffers, double scale, bool write_back);
 
 }  // namespace zcore
