@@ -7,7 +7,9 @@ Two steps are timed on one flat buffer of --numel parameters, --threads threads:
          params out (zcore: one pass, also 28 bytes/param; the others: cast
          the grads to fp32, step, cast the params to bf16).
 Contenders run round-robin, --repeats times each, so that a noisy (shared)
-machine slows them alike; the table gives medians. GB/s counts 28 bytes per
+machine slows them alike; the table gives medians, of wall time and of the
+process's CPU time (all threads: on a loaded machine, wall time also counts
+the time the threads waited for a core). GB/s counts 28 bytes per
 parameter for every contender (what the step must move at least). The
 ceiling is BM_AdamPatternCeiling of bench/cpp/bench_adam (the same 4-read,
 3-write pattern with trivial arithmetic, same thread count).
@@ -98,16 +100,20 @@ def load_deepspeed(report: list[str]) -> type | None:
     return DeepSpeedCPUAdam
 
 
-def time_round_robin(contenders: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def time_round_robin(contenders: dict[str, Callable[[], None]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (wall seconds, CPU seconds of all threads) per step."""
     for run in contenders.values():
         run()  # first step: torch and DeepSpeed allocate their states
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, run in contenders.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+        for name, t in times.items()
+    }
 
 
 def ceiling_gbs(binary: Path, threads: int, repeats: int) -> float | None:
@@ -130,15 +136,19 @@ def ceiling_gbs(binary: Path, threads: int, repeats: int) -> float | None:
     return BYTES_PER_PARAM * CEILING_NUMEL / seconds / 1e9
 
 
-def table(title: str, n: int, medians: dict[str, float], ceiling: float | None) -> list[str]:
-    ours = medians["zcore"]
-    rows = [f"\n{title}", f"| contender | median ms | GB/s (28 B/param) | zcore speed-up |", "| --- | ---: | ---: | ---: |"]
-    for name, seconds in medians.items():
+def table(title: str, n: int, medians: dict[str, tuple[float, float]], ceiling: float | None) -> list[str]:
+    ours = medians["zcore"][0]
+    rows = [
+        f"\n{title}",
+        "| contender | median ms | GB/s (28 B/param) | zcore speed-up | CPU ms, all threads |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, (seconds, cpu) in medians.items():
         gbs = BYTES_PER_PARAM * n / seconds / 1e9
-        rows.append(f"| {name} | {seconds * 1e3:.1f} | {gbs:.1f} | {seconds / ours:.2f}x |")
+        rows.append(f"| {name} | {seconds * 1e3:.1f} | {gbs:.1f} | {seconds / ours:.2f}x | {cpu * 1e3:.0f} |")
     if ceiling is not None:
         seconds = BYTES_PER_PARAM * n / (ceiling * 1e9)
-        rows.append(f"| ceiling: Adam-pattern loop (C++, 100M) | {seconds * 1e3:.1f} | {ceiling:.1f} | - |")
+        rows.append(f"| ceiling: Adam-pattern loop (C++, 100M) | {seconds * 1e3:.1f} | {ceiling:.1f} | - | - |")
     return rows
 
 
