@@ -18,6 +18,7 @@
 #include <string>
 
 #include "zcore/cuda/adam.h"
+#include "check.h"
 #include "zcore/cuda/runtime.h"
 #include "zcore/status.h"
 
@@ -40,15 +41,6 @@ struct DeviceTensor {
   int grad_dtype;
   int out_dtype;             // kNoOut when there is no copy-out
 };
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw Error(StatusCode::kCudaError,
-                std::string(what) + " failed: " + cudaGetErrorName(err) + ": " +
-                    cudaGetErrorString(err),
-                {{"cuda_error", static_cast<std::int64_t>(err)}});
-  }
-}
 
 __device__ __forceinline__ float load_as_float(const void* base, std::int64_t i, int dtype) {
   switch (dtype) {

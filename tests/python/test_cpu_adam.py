@@ -23,17 +23,9 @@ import torch
 
 import zcore
 import zcore.optim as zo
+from optim_fixtures import isa  # noqa: F401 (a fixture)
 
 ONE_MILLION_AND_THREE = (1 << 20) + 3
-
-
-@pytest.fixture(params=zo.supported_cpu_isas())
-def isa(request: pytest.FixtureRequest):
-    """Runs the test once per SIMD level this CPU supports."""
-    before = zo.cpu_isa()
-    zo.set_cpu_isa(request.param)
-    yield request.param
-    zo.set_cpu_isa(before)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -9,17 +9,10 @@ import torch
 
 import zcore
 import zcore.optim as zo
+from optim_fixtures import isa  # noqa: F401 (a fixture)
 
 ONE_MILLION_AND_THREE = (1 << 20) + 3
 HALF_DTYPES = [torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(params=zo.supported_cpu_isas())
-def isa(request: pytest.FixtureRequest):
-    before = zo.cpu_isa()
-    zo.set_cpu_isa(request.param)
-    yield request.param
-    zo.set_cpu_isa(before)
 
 
 def flat_state(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
