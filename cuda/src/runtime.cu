@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "check.h"
 #include "zcore/cuda/runtime.h"
 #include "zcore/status.h"
 
@@ -15,15 +16,6 @@ namespace {
 // millions of copies.
 constexpr std::uint64_t kDirectChunkMin = 16ull << 20;
 constexpr std::uint64_t kScratchMax = 64ull << 20;
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw Error(StatusCode::kCudaError,
-                std::string(what) + " failed: " + cudaGetErrorName(err) + ": " +
-                    cudaGetErrorString(err),
-                {{"cuda_error", static_cast<std::int64_t>(err)}});
-  }
-}
 
 cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 

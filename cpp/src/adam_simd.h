@@ -1,0 +1,195 @@
+// The Adam and sum-of-squares kernels, written once over a SIMD traits class
+// V and instantiated by each per-ISA translation unit (adam_scalar.cpp,
+// adam_avx2.cpp, adam_avx512.cpp).
+//
+// Everything here has internal linkage (anonymous namespace, and templates
+// instantiated with each file's own traits type): each file is compiled with
+// different target flags, and a shared inline symbol would let the linker
+// keep an AVX-512 copy for every caller. The files are compiled with
+// -ffp-contract=off so that each level performs the same IEEE operations in
+// the same order and produces the same bits.
+//
+// V provides: kWidth (floats per register), kDPerBlock (double registers per
+// kBlock floats), F and D register types, load/store, load_bf16/load_fp16,
+// store_bf16/store_fp16 (round to nearest even), set1, add, sub, mul, div,
+// sqrt, fma(a, b, c) = a * b + c rounded once, dzero, add_squares(acc, x,
+// part) which adds the exact squares of the kWidth floats of x to the double
+// lanes part * kWidth ... of the block, and store_lanes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "adam_kernels.h"
+
+namespace zcore::adam_kernels {
+namespace {
+
+struct Bf16 {};   // element tags for the 16-bit formats
+struct Fp16 {};
+struct NoOut {};  // no low-precision copy of the parameters
+
+template <class T>
+constexpr std::int64_t element_size() {
+  return std::is_same_v<T, float> ? 4 : 2;
+}
+
+template <class V, class T>
+typename V::F load_as_float(const void* base, std::int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return V::load(static_cast<const float*>(base) + i);
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    return V::load_bf16(static_cast<const std::uint16_t*>(base) + i);
+  } else {
+    return V::load_fp16(static_cast<const std::uint16_t*>(base) + i);
+  }
+}
+
+template <class V, class T>
+void store_from_float(void* base, std::int64_t i, typename V::F x) {
+  if constexpr (std::is_same_v<T, float>) {
+    V::store(static_cast<float*>(base) + i, x);
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    V::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
+  } else if constexpr (std::is_same_v<T, Fp16>) {
+    V::store_fp16(static_cast<std::uint16_t*>(base) + i, x);
+  }
+}
+
+// One register of elements starting at i, in torch's operation order.
+template <class V, class G, class O>
+void adam_register(const AdamScalars& c, float* p, const void* g, float* m, float* v,
+                   void* out, std::int64_t i) {
+  using F = typename V::F;
+  F grad = V::mul(load_as_float<V, G>(g, i), V::set1(c.grad_scale));
+  F param = V::load(p + i);
+  if (c.decay == WeightDecay::kDecoupled) {
+    param = V::mul(param, V::set1(c.decay_factor));
+  } else if (c.decay == WeightDecay::kL2) {
+    grad = V::fma(V::set1(c.weight_decay), param, grad);  // torch's add(alpha=) is an fma
+  }
+  // torch's vectorized lerp: fma(w, end - start, start) for |w| < 0.5, else
+  // fma(w - 1, end - start, end).
+  F mom = V::load(m + i);
+  const F diff = V::sub(grad, mom);
+  mom = c.lerp_small_weight ? V::fma(V::set1(c.lerp_weight), diff, mom)
+                            : V::fma(V::set1(c.lerp_weight - 1.0f), diff, grad);
+  // torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2); its
+  // addcmul computes fma(value * g, g, self).
+  const F sq = V::fma(V::mul(V::set1(c.one_minus_beta2), grad), grad,
+                      V::mul(V::load(v + i), V::set1(c.beta2)));
+  // torch: denom = sqrt(v) / bias_correction2_sqrt + eps;
+  //        param.addcdiv_(m, denom, value=-step_size) = param + (value * m) / denom
+  const F denom =
+      V::add(V::div(V::sqrt(sq), V::set1(c.bias_correction2_sqrt)), V::set1(c.eps));
+  param = V::add(param, V::div(V::mul(V::set1(c.neg_step_size), mom), denom));
+  V::store(p + i, param);
+  V::store(m + i, mom);
+  V::store(v + i, sq);
+  store_from_float<V, O>(out, i, param);
+}
+
+template <class V, class G, class O>
+void adam_range_typed(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
+                      std::int64_t end) {
+  const std::int64_t full_end = begin + (end - begin) / kBlock * kBlock;
+  for (std::int64_t i = begin; i < full_end; i += V::kWidth) {
+    adam_register<V, G, O>(c, t.params, t.grads, t.exp_avg, t.exp_avg_sq, t.params_out, i);
+  }
+  const std::int64_t n = end - full_end;
+  if (n == 0) return;
+  // The last partial block runs through the same vector code on zero-padded
+  // copies, so tails get exactly the arithmetic of full blocks.
+  alignas(64) float p[kBlock] = {};
+  alignas(64) float m[kBlock] = {};
+  alignas(64) float v[kBlock] = {};
+  alignas(64) unsigned char g[kBlock * 4] = {};
+  alignas(64) unsigned char out[kBlock * 2] = {};
+  std::memcpy(p, t.params + full_end, n * 4);
+  std::memcpy(m, t.exp_avg + full_end, n * 4);
+  std::memcpy(v, t.exp_avg_sq + full_end, n * 4);
+  std::memcpy(g, static_cast<const unsigned char*>(t.grads) + full_end * element_size<G>(),
+              n * element_size<G>());
+  for (std::int64_t i = 0; i < kBlock; i += V::kWidth) {
+    adam_register<V, G, O>(c, p, g, m, v, out, i);
+  }
+  std::memcpy(t.params + full_end, p, n * 4);
+  std::memcpy(t.exp_avg + full_end, m, n * 4);
+  std::memcpy(t.exp_avg_sq + full_end, v, n * 4);
+  if constexpr (!std::is_same_v<O, NoOut>) {
+    std::memcpy(static_cast<unsigned char*>(t.params_out) + full_end * 2, out, n * 2);
+  }
+}
+
+template <class V, class G>
+void adam_range_grad(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
+                     std::int64_t end) {
+  if (t.params_out == nullptr) {
+    adam_range_typed<V, G, NoOut>(c, t, begin, end);
+  } else if (t.out_dtype == DType::kBFloat16) {
+    adam_range_typed<V, G, Bf16>(c, t, begin, end);
+  } else {
+    adam_range_typed<V, G, Fp16>(c, t, begin, end);
+  }
+}
+
+template <class V>
+void adam_range(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
+                std::int64_t end) {
+  switch (t.grad_dtype) {
+    case DType::kFloat32: adam_range_grad<V, float>(c, t, begin, end); break;
+    case DType::kBFloat16: adam_range_grad<V, Bf16>(c, t, begin, end); break;
+    case DType::kFloat16: adam_range_grad<V, Fp16>(c, t, begin, end); break;
+  }
+}
+
+template <class V, class T>
+double sum_sq_typed(const GradBuffer& b, float scale, bool write_back, std::int64_t begin,
+                    std::int64_t end) {
+  typename V::D acc[V::kDPerBlock];
+  for (auto& a : acc) a = V::dzero();
+  const auto block = [&](void* data, std::int64_t i) {
+    for (int part = 0; part < kBlock / V::kWidth; ++part) {
+      const std::int64_t at = i + part * V::kWidth;
+      const typename V::F x = V::mul(load_as_float<V, T>(data, at), V::set1(scale));
+      if (write_back) store_from_float<V, T>(data, at, x);
+      V::add_squares(acc, x, part);
+    }
+  };
+  const std::int64_t full_end = begin + (end - begin) / kBlock * kBlock;
+  for (std::int64_t i = begin; i < full_end; i += kBlock) block(b.data, i);
+  const std::int64_t n = end - full_end;
+  if (n > 0) {
+    // Zero padding adds exact zeros to the lanes.
+    alignas(64) unsigned char tail[kBlock * 4] = {};
+    unsigned char* src = static_cast<unsigned char*>(b.data) + full_end * element_size<T>();
+    std::memcpy(tail, src, n * element_size<T>());
+    block(tail, 0);
+    if (write_back) std::memcpy(src, tail, n * element_size<T>());
+  }
+  alignas(64) double lanes[kBlock];
+  V::store_lanes(acc, lanes);
+  double sum = 0.0;
+  for (double lane : lanes) sum += lane;
+  return sum;
+}
+
+template <class V>
+double sum_sq_range(const GradBuffer& b, float scale, bool write_back, std::int64_t begin,
+                    std::int64_t end) {
+  switch (b.dtype) {
+    case DType::kFloat32: return sum_sq_typed<V, float>(b, scale, write_back, begin, end);
+    case DType::kBFloat16: return sum_sq_typed<V, Bf16>(b, scale, write_back, begin, end);
+    case DType::kFloat16: return sum_sq_typed<V, Fp16>(b, scale, write_back, begin, end);
+  }
+  return 0.0;
+}
+
+template <class V>
+Kernels kernels_of() {
+  return Kernels{&adam_range<V>, &sum_sq_range<V>};
+}
+
+}  // namespace
+}  // namespace zcore::adam_kernels

@@ -1,0 +1,155 @@
+"""``CPUAdam`` / ``CPUAdamW``: torch.optim.Adam / AdamW on zcore's fused CPU
+kernels.
+
+Drop-in replacements for CPU parameters: the same arguments, the same update
+(to fp32 rounding), the same ``state_dict`` layout (per parameter ``step`` as a
+float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``; the same param_group keys),
+so a state_dict moves freely between these and torch's optimizers. One native
+call per param_group (per distinct step count within it) updates all of its
+parameters on ``num_threads`` threads (default: ``torch.get_num_threads()`` at
+each step). amsgrad is not supported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from zcore.errors import InvalidArgumentError
+from zcore.optim.functional import AdamConfig, adam_step
+from zcore.optim._tensors import FP32, check_tensor
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """torch.optim.Adam on zcore's fused CPU kernel.
+
+    ``decoupled_weight_decay=True`` makes it AdamW, as in torch.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        decoupled_weight_decay: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        if amsgrad:
+            raise InvalidArgumentError(
+                "amsgrad=True is not supported by zcore's fused Adam; use torch.optim.Adam(amsgrad=True)"
+            )
+        AdamConfig(lr, tuple(betas), eps, weight_decay)  # torch's argument checks
+        if num_threads is not None and num_threads < 1:
+            raise InvalidArgumentError(f"num_threads={num_threads} must be >= 1", num_threads=num_threads)
+        self.num_threads = num_threads
+        # The keys of torch's Adam param_groups, so that state_dicts load both ways.
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": False,
+            "maximize": maximize,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("decoupled_weight_decay", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, {})
+                if "step" in p_state and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        if group["amsgrad"]:
+            raise InvalidArgumentError("amsgrad=True is not supported by zcore's fused Adam")
+        config = AdamConfig(
+            lr=float(group["lr"]),
+            betas=tuple(float(b) for b in group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+        )
+        # Parameters are grouped by step count: one that had no gradient for a
+        # while lags behind the others of its group, as in torch.
+        by_step: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for index, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            self._check_param(p, index)
+            state = self._state_for(p)
+            by_step[int(state["step"].item()) + 1].append(p)
+        for step, params in by_step.items():
+            states = [self.state[p] for p in params]
+            adam_step(
+                config, step, params, [p.grad for p in params],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                num_threads=self.num_threads,
+            )
+            for s in states:
+                s["step"] += 1
+
+    def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @staticmethod
+    def _check_param(p: torch.Tensor, index: int) -> None:
+        name = f"parameter {index} of its group"
+        if p.grad.is_sparse:
+            raise InvalidArgumentError(f"{name} has a sparse gradient; CPUAdam supports dense gradients only")
+        check_tensor(p, name, FP32, torch.device("cpu"))
+        check_tensor(p.grad, f"the gradient of {name}", FP32, torch.device("cpu"), p.numel())
+
+
+class CPUAdamW(CPUAdam):
+    """torch.optim.AdamW on zcore's fused CPU kernel (decoupled weight decay)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad,
+            maximize=maximize, decoupled_weight_decay=True, num_threads=num_threads,
+        )

@@ -1,0 +1,98 @@
+"""The CUDA multi-tensor Adam and unscale/overflow/norm kernels: the same
+results as the CPU kernels (bit for bit for the step), and close to torch's
+AdamW(fused=True). Skipped with a reason where no GPU can be used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zcore
+import zcore.optim as zo
+from zcore import _C
+
+needs_gpu = pytest.mark.skipif(
+    not zcore.cuda_available(), reason=f"no usable CUDA GPU: {zcore.cuda_unavailable_reason()}"
+)
+ADAMW = zo.AdamConfig(lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True)
+SIZES = [1, 7, 4099, (1 << 20) + 3, 65536, 3]
+
+
+def random_state(sizes: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(n, generator=gen) for n in sizes],
+        [torch.randn(n, generator=gen) * 0.1 for n in sizes],
+        [torch.rand(n, generator=gen) * 0.01 for n in sizes],
+    ]
+
+
+@pytest.mark.skipif(zcore.cuda_available(), reason="checks the behaviour without a usable GPU")
+def test_cuda_entry_points_raise_cuda_unavailable_without_a_gpu() -> None:
+    with pytest.raises(zcore.CudaUnavailableError):
+        _C.cuda_adam_step(_C.AdamOptions(), [], 0)
+    with pytest.raises(zcore.CudaUnavailableError):
+        _C.cuda_unscale_and_check([], 1.0, True, 0)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_multi_tensor_step_equals_the_cpu_kernel_bit_for_bit(grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    params, exp_avgs, exp_avg_sqs = random_state(SIZES)
+    grads = [torch.randn(n).to(grad_dtype) for n in SIZES]
+    outs = [torch.empty(n, dtype=out_dtype) for n in SIZES]
+    dev = [[t.cuda() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs, outs)]
+    for step in (1, 2, 3):
+        zo.adam_step(ADAMW, step, params, grads, exp_avgs, exp_avg_sqs, params_out=outs, grad_scale=0.5)
+        zo.adam_step(ADAMW, step, *dev[:4], params_out=dev[4], grad_scale=0.5)
+    torch.cuda.synchronize()
+    for cpu, gpu in zip((params, exp_avgs, exp_avg_sqs, outs), (dev[0], dev[2], dev[3], dev[4])):
+        for a, b in zip(cpu, gpu):
+            assert torch.equal(a, b.cpu())
+    for p, out in zip(dev[0], dev[4]):
+        assert torch.equal(out, p.to(out_dtype))
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_multi_tensor_step_matches_torch_fused_adamw() -> None:
+    params, _, _ = random_state(SIZES)
+    ours = [p.cuda() for p in params]
+    exp_avgs = [torch.zeros_like(p) for p in ours]
+    exp_avg_sqs = [torch.zeros_like(p) for p in ours]
+    ref = [p.cuda().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(1, 201):
+        grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in ours]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        zo.adam_step(ADAMW, step, ours, grads, exp_avgs, exp_avg_sqs)
+    for a, b in zip(ours, ref):
+        b = b.detach()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_unscale_and_check_on_the_gpu_matches_float64_and_finds_inf() -> None:
+    gen = torch.Generator().manual_seed(4)
+    grads = [(torch.randn(n, generator=gen) * 3).to(dtype).cuda()
+             for n, dtype in zip(SIZES, [torch.float32, torch.bfloat16, torch.float16] * 2)]
+    check = zo.unscale_and_check(grads, 0.25, write_back=False)
+    expected = [float(((g.double() * 0.25) ** 2).sum()) for g in grads]
+    assert not check.nonfinite
+    assert check.buffer_sum_sq == pytest.approx(expected, rel=1e-6)
+    for k, g in enumerate(grads):
+        for index in (0, g.numel() - 1):
+            saved = g[index].clone()
+            g[index] = float("nan") if k % 2 else float("inf")
+            assert zo.unscale_and_check(grads, 0.25, write_back=False).nonfinite, (k, index)
+            g[index] = saved
+    before = [g.clone() for g in grads]
+    zo.unscale_and_check(grads, 0.25)
+    for g, b in zip(grads, before):
+        assert torch.equal(g, (b.float() * 0.25).to(g.dtype))
