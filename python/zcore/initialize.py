@@ -22,7 +22,8 @@ from zcore.lr_schedules import SCHEDULES
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.partition import FlatUnit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
-from zcore.sharded_optimizer import MasterShards, ShardedOptimizer
+from zcore.optim import CPUAdam
+from zcore.sharded_optimizer import FusedCpuUpdate, MasterShards, ShardedOptimizer, TorchUpdate
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
 
@@ -59,10 +60,12 @@ def initialize(
     inner = build_optimizer(optimizer, cfg, groups, master.piece_of())
     reducer = _reducer(cfg, units, context, precision)
     handles = hooks.register_gradient_hooks(units, reducer)
+    update_policy = FusedCpuUpdate if isinstance(inner, CPUAdam) else TorchUpdate
     sharded = ShardedOptimizer(
         inner=inner,
         master=master,
         reducer=reducer,
+        update=update_policy(inner, master, reducer),
         precision=precision,
         gradient_clipping=cfg.gradient_clipping,
         world_size=context.world_size,

@@ -14,10 +14,12 @@ import torch
 
 from zcore.config import Config
 from zcore.errors import ConfigError
+from zcore.optim import CPUAdam
 
 # Optimizers whose update is element-wise, so that running them on any slice
 # of a parameter gives that slice of the full update.
 _ELEMENTWISE = (
+    CPUAdam,
     torch.optim.Adam,
     torch.optim.AdamW,
     torch.optim.SGD,
@@ -127,7 +129,14 @@ def build_optimizer(
             "zcore.initialize(optimizer=...)"
         )
     p = cfg.optimizer.params
-    kind = torch.optim.AdamW if cfg.optimizer.decoupled_weight_decay else torch.optim.Adam
+    decoupled = cfg.optimizer.decoupled_weight_decay
+    if cfg.zero_optimization.offload_optimizer.device == "cpu" and not p.torch_adam:
+        # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
+        return CPUAdam(
+            piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+            decoupled_weight_decay=decoupled,
+        )
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
 
 

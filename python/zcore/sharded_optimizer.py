@@ -18,6 +18,7 @@ import torch
 
 from zcore import comm
 from zcore.grad_reduction import GradientReducer
+from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit
 from zcore.precision import MixedPrecision
 
@@ -57,6 +58,65 @@ class MasterShards:
         return sum(s.numel() for s in self.shards)
 
 
+class TorchUpdate:
+    """The inner torch optimizer updates the master shards where they live;
+    the result is then cast into the parameters' shards."""
+
+    def __init__(self, inner: torch.optim.Optimizer, master: MasterShards, reducer: GradientReducer) -> None:
+        self.inner = inner
+        self.master = master
+        self.reducer = reducer
+        offloaded = any(s.device != u.flat.device for s, u in zip(master.shards, master.units))
+        # Offloaded masters need their gradients beside them.
+        self.host_grads = (
+            [torch.empty_like(s) for s in master.shards] if offloaded else None
+        )
+
+    def grad_source(self, unit: int) -> torch.Tensor:
+        shard = self.reducer.grad_shard(unit)
+        if self.host_grads is None:
+            return shard
+        return self.host_grads[unit].copy_(shard)
+
+    def apply(self, coefficient: float) -> None:
+        if coefficient != 1.0:
+            grads = self.host_grads or [self.reducer.grad_shard(u) for u in range(len(self.master.units))]
+            for g in grads:
+                g.mul_(coefficient)
+        self.inner.step()
+        for unit, shard in zip(self.master.units, self.master.shards):
+            unit.shard(unit.flat).copy_(shard)
+
+
+class FusedCpuUpdate(TorchUpdate):
+    """ZeRO-Offload: zcore's CPU Adam updates the host master shards, applying
+    the gradient scale and writing the bf16/fp16 parameters in the same pass;
+    the written shards then go to the parameters' device."""
+
+    def __init__(self, inner: CPUAdam, master: MasterShards, reducer: GradientReducer) -> None:
+        super().__init__(inner, master, reducer)
+        compute = master.units[0].flat.dtype if master.units else torch.float32
+        self.fused_copy = compute in (torch.bfloat16, torch.float16)
+        self.outs: dict[torch.Tensor, torch.Tensor] = {}
+        self.staging: list[torch.Tensor] = []
+        for unit, pieces in zip(master.units, master.pieces):
+            local = unit.shard(unit.flat)
+            staging = local if local.device.type == "cpu" else torch.empty(local.shape, dtype=compute)
+            self.staging.append(staging)
+            for meta, piece in zip(unit.pieces, pieces):
+                self.outs[piece] = staging[meta.shard_start : meta.shard_start + meta.numel]
+
+    def apply(self, coefficient: float) -> None:
+        if not self.fused_copy:
+            super().apply(coefficient)
+            return
+        self.inner.fused_step(grad_scale=coefficient, params_out=self.outs)
+        for unit, staging in zip(self.master.units, self.staging):
+            local = unit.shard(unit.flat)
+            if staging is not local:
+                local.copy_(staging)
+
+
 class ShardedOptimizer:
     """What ``engine.optimizer`` is: the inner torch optimizer over pieces,
     plus the ZeRO step around it."""
@@ -66,6 +126,7 @@ class ShardedOptimizer:
         inner: torch.optim.Optimizer,
         master: MasterShards,
         reducer: GradientReducer,
+        update: TorchUpdate,
         precision: MixedPrecision,
         gradient_clipping: float,
         world_size: int,
@@ -74,6 +135,7 @@ class ShardedOptimizer:
         self.inner = inner
         self.master = master
         self.reducer = reducer
+        self.update = update
         self.precision = precision
         self.gradient_clipping = gradient_clipping
         self.world_size = world_size
@@ -108,10 +170,7 @@ class ShardedOptimizer:
             clip = self.gradient_clipping / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
             if clip < 1.0:
                 coefficient *= clip
-        if coefficient != 1.0:
-            for u in range(len(self.units)):
-                self.reducer.grad_shard(u).mul_(coefficient)
-        self.inner.step()
+        self.update.apply(coefficient)
         scaler.update(overflow=False)
         self._publish()
         self._end_step()
@@ -121,7 +180,7 @@ class ShardedOptimizer:
         # A parameter that got no gradient on any rank keeps grad None, so the
         # optimizer skips it (no decay, no moment update), as torch.optim does.
         for u, unit in enumerate(self.units):
-            shard = self.reducer.grad_shard(u)
+            shard = self.update.grad_source(u)
             for meta, piece in zip(unit.pieces, self.master.pieces[u]):
                 if used[u][meta.param_index]:
                     piece.grad = shard[meta.shard_start : meta.shard_start + meta.numel]
@@ -138,13 +197,13 @@ class ShardedOptimizer:
         return math.sqrt(squares.item()) * inv_scale
 
     def _publish(self) -> None:
-        """Master shards -> compute-dtype parameters on every rank."""
-        works = []
-        for unit, shard in zip(self.units, self.master.shards):
-            local = unit.shard(unit.flat)
-            local.copy_(shard)
-            if self.sharded and self.world_size > 1:
-                works.append(comm.all_gather_into(unit.flat, local.clone(), async_op=True))
+        """This rank's updated shards -> the parameters on every rank."""
+        if not (self.sharded and self.world_size > 1):
+            return
+        works = [
+            comm.all_gather_into(unit.flat, unit.shard(unit.flat).clone(), async_op=True)
+            for unit in self.units
+        ]
         comm.wait_all(works)
 
     def _end_step(self) -> None:

@@ -25,25 +25,27 @@ from training import assert_matches, train_reference, train_zcore, zcore_config
 STEPS = 20
 LOSS_TOLERANCE = {"bf16": 2e-3, "fp16": 2.5e-4}
 PARAM_TOLERANCE = {"bf16": 2.0**-7, "fp16": 2.0**-10}
-VARIANTS = [("gpt", 2, 0.05), ("mlp", 1, 0.0)]
+# (model, accumulation steps, clipping, CPU offload: the fused kernel writes
+# the bf16/fp16 parameters in the same pass)
+VARIANTS = [("gpt", 2, 0.05, False), ("gpt", 2, 0.05, True), ("mlp", 1, 0.0, False)]
 
 
 def run_precisions(rank, world):
     return {
-        (precision, model, gas, clip, stage): train_zcore(
-            rank, world, model, zcore_config(stage, gas, clip, precision), STEPS
+        (precision, model, gas, clip, offload, stage): train_zcore(
+            rank, world, model, zcore_config(stage, gas, clip, precision, offload), STEPS
         )
         for precision in ("bf16", "fp16")
         for stage in (0, 1, 2)
-        for model, gas, clip in VARIANTS
+        for model, gas, clip, offload in VARIANTS
     }
 
 
 def test_bf16_and_fp16_match_the_mixed_precision_reference():
     world = 2
     results = run_ranks(run_precisions, world, timeout=600)
-    for (precision, model, gas, clip, stage), got in results[0].items():
-        label = f"{precision} {model} stage {stage} gas {gas} clip {clip}"
+    for (precision, model, gas, clip, offload, stage), got in results[0].items():
+        label = f"{precision} {model} stage {stage} gas {gas} clip {clip} offload {offload}"
         assert got["skipped_steps"] == 0, label
         ref = train_reference(model, clip, STEPS, world, gas, precision)
         assert_matches(got, ref, LOSS_TOLERANCE[precision], label, PARAM_TOLERANCE[precision])

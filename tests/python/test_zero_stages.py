@@ -1,6 +1,6 @@
-"""ZeRO stages 0, 1 and 2 in fp32 match a single-process run over the same
-global batches: the loss at every step and the final parameters, within
-1e-5 relative over 20 steps."""
+"""ZeRO stages 0, 1 and 2 in fp32, with and without CPU optimizer offload,
+match a single-process run over the same global batches: the loss at every
+step and the final parameters, within 1e-5 relative over 20 steps."""
 
 import pytest
 
@@ -9,21 +9,26 @@ from training import assert_matches, relative_error, train_reference, train_zcor
 
 STEPS = 20
 TOLERANCE = 1e-5
-# (model, accumulation steps, clipping): clipping at 0.05 engages on most steps.
+# (model, accumulation steps, clipping, CPU offload): clipping at 0.05
+# engages on most steps.
 VARIANTS = [
-    ("gpt", 1, 0.0),
-    ("gpt", 2, 0.05),
-    ("mlp", 1, 0.05),
-    ("mlp", 2, 0.0),
-    ("branch", 1, 0.0),
+    ("gpt", 1, 0.0, False),
+    ("gpt", 2, 0.05, False),
+    ("gpt", 2, 0.05, True),
+    ("mlp", 1, 0.05, False),
+    ("mlp", 2, 0.0, True),
+    ("branch", 1, 0.0, False),
+    ("branch", 1, 0.0, True),
 ]
 
 
 def run_all_variants(rank, world, stages):
     return {
-        (model, gas, clip, stage): train_zcore(rank, world, model, zcore_config(stage, gas, clip), STEPS)
+        (model, gas, clip, offload, stage): train_zcore(
+            rank, world, model, zcore_config(stage, gas, clip, offload=offload), STEPS
+        )
         for stage in stages
-        for model, gas, clip in VARIANTS
+        for model, gas, clip, offload in VARIANTS
     }
 
 
@@ -31,12 +36,14 @@ def run_all_variants(rank, world, stages):
 def test_stages_match_single_process(world):
     results = run_ranks(run_all_variants, world, [0, 1, 2], launcher=world > 1, timeout=600)
     references = {}
-    for (model, gas, clip, stage), got in results[0].items():
+    for (model, gas, clip, offload, stage), got in results[0].items():
         key = (model, gas, clip)
         if key not in references:
             references[key] = train_reference(model, clip, STEPS, world, gas)
-        label = f"{model} stage {stage} world {world} gas {gas} clip {clip}"
+        label = f"{model} stage {stage} world {world} gas {gas} clip {clip} offload {offload}"
         assert got["global_steps"] == STEPS and got["skipped_steps"] == 0, label
+        expected = ("CPUAdam", "FusedCpuUpdate") if offload else ("AdamW", "TorchUpdate")
+        assert (got["optimizer"], got["update"]) == expected, label
         assert_matches(got, references[key], TOLERANCE, label)
     for other in results[1:]:  # every rank ends with the same parameters
         for key, got in other.items():

@@ -25,14 +25,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE_POWER = 8  # small enough that these models never overflow
 
 
-def zcore_config(stage: int, gas: int, clip: float, precision: str = "fp32", **extra) -> dict:
+def zcore_config(
+    stage: int, gas: int, clip: float, precision: str = "fp32", offload: bool = False, **extra
+) -> dict:
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         # Small buckets: several units per model, so ordering and overlap matter.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "offload_optimizer": {"device": "cpu" if offload else "none"},
+        },
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -72,6 +78,8 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "memory": engine.memory_report(),
+        "optimizer": type(engine.optimizer.inner).__name__,
+        "update": type(engine.optimizer.update).__name__,
     }
 
 

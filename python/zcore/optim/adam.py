@@ -13,7 +13,7 @@ each step). amsgrad is not supported.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -83,11 +83,26 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
+        self.fused_step()
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    @torch.no_grad()
+    def fused_step(
+        self, grad_scale: float = 1.0, params_out: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """``step()`` with the extras of the ZeRO offload path, in the same pass:
+        gradients multiplied by ``grad_scale`` (1/loss_scale times the clipping
+        coefficient) before use, and each parameter in ``params_out`` also
+        written, rounded to nearest even, to its bf16/fp16 tensor there."""
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, params_out)
+
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        grad_scale: float,
+        params_out: Mapping[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         if group["amsgrad"]:
             raise InvalidArgumentError("amsgrad=True is not supported by zcore's fused Adam")
         config = AdamConfig(
@@ -112,6 +127,8 @@ class CPUAdam(torch.optim.Optimizer):
             adam_step(
                 config, step, params, [p.grad for p in params],
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                params_out=None if params_out is None else [params_out[p] for p in params],
+                grad_scale=grad_scale,
                 num_threads=self.num_threads,
             )
             for s in states:
