@@ -6,47 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln_1 = nn.LayerNorm(d)
-        # No bias: the key bias gets an exactly-zero gradient (softmax is shift
-        # invariant), and Adam would turn its rounding noise into updates.
-        self.attn = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+from zcore.demo.gpt import GPT, GPTConfig
 
 
-class TinyGPT(nn.Module):
-    """A GPT with the LM head tied to the token embedding."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 2, seq: int = 16):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+def TinyGPT() -> nn.Module:
+    """zcore's demo GPT, tiny; its LM head is tied to the token embedding."""
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
 
 
 class FrozenMLP(nn.Module):

@@ -5,11 +5,12 @@ Tolerances: both sides run the same bf16/fp16 forward and backward on the
 same micro-batches and accumulate in fp32, so they differ only by the order
 of fp32 gradient sums. That moves the fp32 master weights by ~1e-7 relative,
 which now and then flips the rounding of a weight to the compute dtype by one
-ulp (2^-8 relative in bf16, 2^-11 in fp16). The compared parameters are
-stored in the compute dtype, so a single flip in a small tensor is already
-one ulp of relative error: parameters must agree within two ulps. The loss
-averages over many weights; measured differences over 20 steps were 5.6e-4
-(bf16) and 6.3e-5 (fp16), bounded here with ~4x margin.
+ulp (2^-8 relative in bf16, 2^-11 in fp16), and later steps carry the flip
+on. The compared parameters are stored in the compute dtype, and in tensors
+that start at zero (LayerNorm biases) a few flips are a large share of the
+norm: measured over 20 steps, up to 4.4 ulps per tensor (1.7e-2 bf16, 2.3e-3
+fp16); parameters must agree within 8 ulps. The loss averages over all
+weights: measured 5.5e-5 (bf16) and 5.3e-6 (fp16), bounded with ~4x margin.
 """
 
 import math
@@ -23,8 +24,8 @@ from models import global_batch, loss_of, make_model
 from training import assert_matches, train_reference, train_zcore, zcore_config
 
 STEPS = 20
-LOSS_TOLERANCE = {"bf16": 2e-3, "fp16": 2.5e-4}
-PARAM_TOLERANCE = {"bf16": 2.0**-7, "fp16": 2.0**-10}
+LOSS_TOLERANCE = {"bf16": 2e-4, "fp16": 2e-5}
+PARAM_TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 # (model, accumulation steps, clipping, CPU offload: the fused kernel writes
 # the bf16/fp16 parameters in the same pass)
 VARIANTS = [("gpt", 2, 0.05, False), ("gpt", 2, 0.05, True), ("mlp", 1, 0.0, False)]

@@ -19,7 +19,7 @@ import zcore
 from models import forward, global_batch, loss_of, make_model
 
 GLOBAL_BATCH = 8
-LR = 1e-2
+LR = 3e-3
 WEIGHT_DECAY = 0.01
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE_POWER = 8  # small enough that these models never overflow

@@ -24,7 +24,9 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        # No bias: the key bias only ever gets an exactly-zero gradient
+        # (softmax is shift invariant), so it would be dead weight.
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
