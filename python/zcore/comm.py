@@ -63,9 +63,29 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = 
     return _all_gather(output, shard, async_op=async_op)
 
 
-def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-    """``shard`` receives this rank's slice of the element-wise sum of ``full`` over ranks."""
-    return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=async_op)
+class _ReduceScatterByAllReduce:
+    """gloo's reduce-scatter runs at half the speed of its all-reduce of the
+    same buffer (measured: 40 ms against 19 ms for 16 MiB on 2 ranks), so on
+    gloo the sum is all-reduced in place and this rank's slice copied out."""
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        start = dist.get_rank() * shard.numel()
+        self._shard = shard
+        self._slice = full[start : start + shard.numel()]
+        self._work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._shard.copy_(self._slice)
+
+
+def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor):
+    """Starts summing ``full`` over ranks into this rank's ``shard`` (slice
+    ``rank`` of ``full``); returns a handle whose ``wait()`` completes it.
+    ``full`` may be overwritten."""
+    if dist.get_backend() == "gloo":
+        return _ReduceScatterByAllReduce(shard, full)
+    return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):

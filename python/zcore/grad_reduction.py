@@ -172,7 +172,7 @@ class AccumulateThenReduce(GradientReducer):
             send = self.acc[u].to(self.reduce_dtype)  # acc itself in fp32
             if self.sharded:
                 out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
-                work = comm.reduce_scatter_sum(out, send, async_op=True) if self.world_size > 1 else None
+                work = comm.reduce_scatter_sum(out, send) if self.world_size > 1 else None
                 if work is None:
                     out.copy_(send)
             else:
@@ -227,7 +227,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
             self.buckets[u] = None
             out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
             if self.world_size > 1:
-                work = comm.reduce_scatter_sum(out, send, async_op=True)
+                work = comm.reduce_scatter_sum(out, send)
             else:
                 out.copy_(send)
                 work = None

@@ -18,3 +18,4 @@ weights = [torch.empty(18) for _ in range(dist.get_world_size())]
 dist.all_gather(weights, torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]))
 assert all(torch.equal(w, weights[0]) for w in weights), "ranks disagree"
 print(f"rank {dist.get_rank()} of {dist.get_world_size()} ({engine.context.backend}): {engine.global_steps} steps")
+dist.destroy_process_group()
