@@ -320,7 +320,7 @@ class RandomTrace {
 struct PropertyVerdict {
   std::int64_t violations = 0;
   std::string first_violation;
-  std::int64_t gathers = 0;
+  CoordinatorStats stats{};  // what the trace exercised
 };
 
 // One random trace checked end to end; deterministic in the seed. A
@@ -335,10 +335,10 @@ inline PropertyVerdict check_random_trace(std::uint64_t seed) {
   PropertyVerdict verdict;
   try {
     trace.run(caller, 2 + static_cast<int>(seed % 5));
-    verdict = {caller.violations(), caller.first_violation(), caller.gathers()};
+    verdict = {caller.violations(), caller.first_violation(), coordinator.stats()};
   } catch (const Error& e) {
     verdict = {caller.violations() + 1, std::string("coordinator threw: ") + e.what(),
-               caller.gathers()};
+               coordinator.stats()};
   }
   if (verdict.violations > 0) verdict.first_violation = "seed " + std::to_string(seed) + ": " +
                                                         verdict.first_violation;
