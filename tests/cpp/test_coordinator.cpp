@@ -2,12 +2,12 @@
 
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "coordinator_harness.h"
+#include "expect_error.h"
 #include "zcore/status.h"
 
 namespace zcore {
@@ -20,22 +20,14 @@ void PrintTo(const Action& a, std::ostream* os) {
 
 namespace {
 
+using testing_support::code_of;
+
 constexpr ActionKind G = ActionKind::kGather;
 constexpr ActionKind W = ActionKind::kWait;
 constexpr ActionKind R = ActionKind::kRelease;
 constexpr std::int64_t S = 1'000'000;  // a layer-sized group, above the persistence threshold
 
 Plan plan(std::initializer_list<Action> actions) { return Plan(actions); }
-
-StatusCode code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  ADD_FAILURE() << "expected a zcore::Error";
-  return StatusCode::kSystemError;
-}
 
 CoordinatorConfig config(std::int64_t bucket, std::int64_t live, std::int64_t reuse) {
   CoordinatorConfig c;

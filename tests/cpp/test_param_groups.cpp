@@ -3,25 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "zcore/status.h"
 
 namespace zcore {
 namespace {
 
-Error error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "expected a zcore::Error";
-  return Error(StatusCode::kSystemError, "none");
-}
+using testing_support::error_of;
 
 TEST(ParamGroupTable, GroupGoesThroughItsStates) {
   ParamGroupTable t;
