@@ -67,7 +67,9 @@
 //
 // Outside a step, before_module/after_module still work (no trace, no
 // prefetch, release at exit): for GatheredParameters or a forward outside
-// the engine.
+// the engine. end_step() requires every module entered, inside the step or
+// before it, to have been left: a missing after_module would otherwise hold
+// gathered memory for good.
 //
 // Not thread-safe: one caller at a time (the Python bindings keep the GIL).
 // Errors: Error(kInvalidHandle) for unknown group or module ids,
