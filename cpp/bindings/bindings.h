@@ -11,5 +11,6 @@ void bind_allocator(pybind11::module_& m);
 void bind_host_memory(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
+void bind_coordinator(pybind11::module_& m);
 
 }  // namespace zcore::bindings

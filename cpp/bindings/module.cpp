@@ -1,11 +1,14 @@
 #include "bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zcore native core: allocator, host memory, CUDA runtime queries, optimizer kernels";
+  m.doc() =
+      "zcore native core: allocator, host memory, CUDA runtime queries, optimizer kernels, "
+      "ZeRO-3 parameter coordinator";
   zcore::bindings::bind_errors(m);
   zcore::bindings::bind_build_info(m);
   zcore::bindings::bind_allocator(m);
   zcore::bindings::bind_host_memory(m);
   zcore::bindings::bind_cuda(m);
   zcore::bindings::bind_optim(m);
+  zcore::bindings::bind_coordinator(m);
 }

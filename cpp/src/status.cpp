@@ -11,6 +11,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kCudaUnavailable: return "CudaUnavailable";
     case StatusCode::kCudaError: return "CudaError";
     case StatusCode::kSystemError: return "SystemError";
+    case StatusCode::kInvalidState: return "InvalidState";
   }
   return "Unknown";
 }

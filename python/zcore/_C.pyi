@@ -1,5 +1,7 @@
 """Type stub for zcore's native core (zcore._C)."""
 
+import enum
+
 
 # allocator
 class Move:
@@ -80,3 +82,88 @@ def cuda_built() -> bool: ...
 def cuda_device_count() -> int: ...
 def cuda_unavailable_reason() -> str: ...
 
+
+# ZeRO-3 parameter coordinator (protocol: cpp/include/zcore/coordinator.h)
+
+class GroupState(enum.Enum):
+    SHARDED = 0
+    GATHERING = 1
+    GATHERED = 2
+    IN_USE = 3
+
+class Action(enum.Enum):
+    GATHER = 0
+    WAIT = 1
+    RELEASE = 2
+
+Plan = list[tuple[Action, int]]
+
+class CoordinatorConfig:
+    prefetch_bucket_elements: int
+    max_live_elements: int
+    max_reuse_distance: int
+    persistence_threshold: int
+    resync_window: int
+    def __init__(
+        self,
+        *,
+        prefetch_bucket_elements: int = 50_000_000,
+        max_live_elements: int = 1_000_000_000,
+        max_reuse_distance: int = 1_000_000_000,
+        persistence_threshold: int = 100_000,
+        resync_window: int = 64,
+    ) -> None: ...
+
+class TraceDeparture:
+    trace_key: int
+    step: int
+    position: int
+    expected: int
+    actual: int
+
+class CoordinatorStats:
+    steps: int
+    aborted_steps: int
+    module_calls: int
+    gathers: int
+    elements_gathered: int
+    bytes_gathered: int
+    prefetch_gathers: int
+    prefetch_hits: int
+    prefetch_misses: int
+    resident_hits: int
+    prefetch_unused: int
+    releases: int
+    trace_departures: int
+    trace_resyncs: int
+    trace_recordings: int
+    live_elements: int
+    peak_live_elements: int
+    persistent_elements: int
+
+class ParamCoordinator:
+    def __init__(self, config: CoordinatorConfig) -> None: ...
+    def register_group(self, numel: int, element_size: int) -> int: ...
+    def register_module(self, groups: list[int]) -> int: ...
+    def begin_step(self, trace_key: int = 0) -> None: ...
+    def before_module(self, module: int) -> Plan: ...
+    def after_module(self, module: int) -> Plan: ...
+    def end_step(self) -> Plan: ...
+    def abort_step(self) -> Plan: ...
+    def release_all(self) -> Plan: ...
+    def take_departure_notice(self) -> TraceDeparture | None: ...
+    def state(self, group: int) -> GroupState: ...
+    def use_count(self, group: int) -> int: ...
+    def persistent(self, group: int) -> bool: ...
+    def module_groups(self, module: int) -> list[int]: ...
+    def trace(self, trace_key: int = 0) -> list[int]: ...
+    def stats(self) -> CoordinatorStats: ...
+    def reset_peak(self) -> None: ...
+    @property
+    def in_step(self) -> bool: ...
+    @property
+    def config(self) -> CoordinatorConfig: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def num_modules(self) -> int: ...

@@ -54,6 +54,12 @@ class NativeOSError(ZcoreError, OSError):
     """An operating-system call of the native core failed (see ``errno``)."""
 
 
+class InvalidStateError(ZcoreError, RuntimeError):
+    """A call the object's current state does not allow: a protocol misuse
+    such as leaving a module that was never entered, or ending a step while
+    a module still runs. Attributes name the object and its state."""
+
+
 _BY_STATUS: dict[str, type[ZcoreError]] = {
     "InvalidArgument": InvalidArgumentError,
     "OutOfArena": OutOfArenaError,
@@ -62,6 +68,7 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
     "CudaUnavailable": CudaUnavailableError,
     "CudaError": CudaError,
     "SystemError": NativeOSError,
+    "InvalidState": InvalidStateError,
 }
 
 

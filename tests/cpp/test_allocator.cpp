@@ -5,27 +5,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "expect_error.h"
 #include "zcore/status.h"
 
 namespace zcore {
 namespace {
 
-StatusCode code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  ADD_FAILURE() << "expected a zcore::Error";
-  return StatusCode::kSystemError;
-}
+using testing_support::code_of;
 
 // Checks the tiling invariant (see allocator.h) and the statistics against
 // the block list, and returns the live blocks by handle.

@@ -24,6 +24,7 @@ enum class StatusCode {
   kCudaUnavailable,  // built without CUDA, or no usable GPU/driver
   kCudaError,        // a CUDA runtime call failed
   kSystemError,      // an OS call failed (errno in the details)
+  kInvalidState,     // a call that the object's current state does not allow (protocol misuse)
 };
 
 const char* status_code_name(StatusCode code);

@@ -1,0 +1,143 @@
+// Bindings of the ZeRO-3 parameter coordinator (zcore/coordinator.h, where
+// the calling protocol is documented). The calls are bookkeeping of tens of
+// nanoseconds, so they keep the GIL: releasing it would cost more than the
+// call, and the GIL is what serializes the (not thread-safe) coordinator.
+#include <pybind11/native_enum.h>
+#include <pybind11/stl.h>
+
+#include <array>
+
+#include "bindings.h"
+#include "zcore/coordinator.h"
+
+namespace py = pybind11;
+
+namespace zcore::bindings {
+
+namespace {
+
+// A plan as a list of (Action, group id) tuples; the Action members are
+// looked up once, so a hook pays for one list and one tuple per action.
+class PlanConverter {
+ public:
+  explicit PlanConverter(const py::module_& m) {
+    const py::object action = m.attr("Action");
+    kinds_ = {action.attr("GATHER"), action.attr("WAIT"), action.attr("RELEASE")};
+  }
+  py::list operator()(const Plan& plan) const {
+    py::list out(plan.size());
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      out[i] = py::make_tuple(kinds_[static_cast<std::size_t>(plan[i].kind)], plan[i].group);
+    }
+    return out;
+  }
+
+ private:
+  std::array<py::object, 3> kinds_;
+};
+
+}  // namespace
+
+void bind_coordinator(py::module_& m) {
+  py::native_enum<GroupState>(m, "GroupState", "enum.Enum",
+                              "Where a parameter group's full parameters are.")
+      .value("SHARDED", GroupState::kSharded, "only this rank's shard exists")
+      .value("GATHERING", GroupState::kGathering, "an all-gather is in flight, not yet waited")
+      .value("GATHERED", GroupState::kGathered, "full parameters present, no module uses them")
+      .value("IN_USE", GroupState::kInUse, "full parameters present, a module runs with them")
+      .finalize();
+
+  py::native_enum<ActionKind>(m, "Action", "enum.Enum", "One step of a coordinator plan.")
+      .value("GATHER", ActionKind::kGather, "take a buffer and start the group's async all-gather")
+      .value("WAIT", ActionKind::kWait, "wait for the group's all-gather")
+      .value("RELEASE", ActionKind::kRelease, "drop the group's full parameters, return the buffer")
+      .finalize();
+
+  py::class_<CoordinatorConfig>(m, "CoordinatorConfig",
+                                "Budgets of the coordinator, in parameter elements.")
+      .def(py::init([](std::int64_t bucket, std::int64_t live, std::int64_t reuse,
+                       std::int64_t persistence, std::int64_t window) {
+             return CoordinatorConfig{bucket, live, reuse, persistence, window};
+           }),
+           py::kw_only(), py::arg("prefetch_bucket_elements") = 50'000'000,
+           py::arg("max_live_elements") = 1'000'000'000,
+           py::arg("max_reuse_distance") = 1'000'000'000,
+           py::arg("persistence_threshold") = 100'000, py::arg("resync_window") = 64,
+           "Defaults are DeepSpeed's stage3_prefetch_bucket_size, stage3_max_live_parameters, "
+           "stage3_max_reuse_distance and stage3_param_persistence_threshold.")
+      .def_readwrite("prefetch_bucket_elements", &CoordinatorConfig::prefetch_bucket_elements)
+      .def_readwrite("max_live_elements", &CoordinatorConfig::max_live_elements)
+      .def_readwrite("max_reuse_distance", &CoordinatorConfig::max_reuse_distance)
+      .def_readwrite("persistence_threshold", &CoordinatorConfig::persistence_threshold)
+      .def_readwrite("resync_window", &CoordinatorConfig::resync_window);
+
+  py::class_<TraceDeparture>(m, "TraceDeparture",
+                             "Where a step left its recorded trace (-1: none).")
+      .def_readonly("trace_key", &TraceDeparture::trace_key)
+      .def_readonly("step", &TraceDeparture::step)
+      .def_readonly("position", &TraceDeparture::position)
+      .def_readonly("expected", &TraceDeparture::expected)
+      .def_readonly("actual", &TraceDeparture::actual);
+
+  py::class_<CoordinatorStats>(m, "CoordinatorStats")
+      .def_readonly("steps", &CoordinatorStats::steps)
+      .def_readonly("aborted_steps", &CoordinatorStats::aborted_steps)
+      .def_readonly("module_calls", &CoordinatorStats::module_calls)
+      .def_readonly("gathers", &CoordinatorStats::gathers)
+      .def_readonly("elements_gathered", &CoordinatorStats::elements_gathered)
+      .def_readonly("bytes_gathered", &CoordinatorStats::bytes_gathered)
+      .def_readonly("prefetch_gathers", &CoordinatorStats::prefetch_gathers)
+      .def_readonly("prefetch_hits", &CoordinatorStats::prefetch_hits)
+      .def_readonly("prefetch_misses", &CoordinatorStats::prefetch_misses)
+      .def_readonly("resident_hits", &CoordinatorStats::resident_hits)
+      .def_readonly("prefetch_unused", &CoordinatorStats::prefetch_unused)
+      .def_readonly("releases", &CoordinatorStats::releases)
+      .def_readonly("trace_departures", &CoordinatorStats::trace_departures)
+      .def_readonly("trace_resyncs", &CoordinatorStats::trace_resyncs)
+      .def_readonly("trace_recordings", &CoordinatorStats::trace_recordings)
+      .def_readonly("live_elements", &CoordinatorStats::live_elements)
+      .def_readonly("peak_live_elements", &CoordinatorStats::peak_live_elements)
+      .def_readonly("persistent_elements", &CoordinatorStats::persistent_elements);
+
+  const PlanConverter to_list(m);
+  py::class_<ParamCoordinator>(
+      m, "ParamCoordinator",
+      "ZeRO-3 gather/release planner. Plans are lists of (Action, group) to execute in order "
+      "before the next call; see cpp/include/zcore/coordinator.h for the protocol.")
+      .def(py::init<const CoordinatorConfig&>(), py::arg("config"))
+      .def("register_group", &ParamCoordinator::register_group, py::arg("numel"),
+           py::arg("element_size"), "Registers a group; returns its id (0, 1, ...).")
+      .def("register_module", &ParamCoordinator::register_module, py::arg("groups"),
+           "Registers a module or use site needing `groups` gathered; returns its id.")
+      .def("begin_step", &ParamCoordinator::begin_step, py::arg("trace_key") = 0,
+           "Starts a step; each trace_key (training, eval, generation) keeps its own trace.")
+      .def("before_module", [to_list](ParamCoordinator& c, ModuleId module) {
+             return to_list(c.before_module(module));
+           }, py::arg("module"), "Plan to execute before the module runs.")
+      .def("after_module", [to_list](ParamCoordinator& c, ModuleId module) {
+             return to_list(c.after_module(module));
+           }, py::arg("module"), "Plan to execute after the module ran.")
+      .def("end_step", [to_list](ParamCoordinator& c) { return to_list(c.end_step()); },
+           "Ends the step: waits what is in flight, releases all non-persistent groups.")
+      .def("abort_step", [to_list](ParamCoordinator& c) { return to_list(c.abort_step()); },
+           "After an exception: forgets users, releases all non-persistent groups.")
+      .def("release_all", [to_list](ParamCoordinator& c) { return to_list(c.release_all()); },
+           "Between steps: releases every group, persistent ones included.")
+      .def("take_departure_notice", &ParamCoordinator::take_departure_notice,
+           "The first departure from the trace since the trace was last followed, once; else None.")
+      .def("state", &ParamCoordinator::state, py::arg("group"))
+      .def("use_count", &ParamCoordinator::use_count, py::arg("group"))
+      .def("persistent", &ParamCoordinator::persistent, py::arg("group"))
+      .def("module_groups", &ParamCoordinator::module_groups, py::arg("module"))
+      .def("trace", &ParamCoordinator::trace, py::arg("trace_key") = 0,
+           "Group ids of the trace adopted for trace_key, one per use.")
+      .def("stats", &ParamCoordinator::stats)
+      .def("reset_peak", &ParamCoordinator::reset_peak,
+           "Restarts peak_live_elements from the current live elements.")
+      .def_property_readonly("in_step", &ParamCoordinator::in_step)
+      .def_property_readonly("config", &ParamCoordinator::config)
+      .def_property_readonly("num_groups", &ParamCoordinator::num_groups)
+      .def_property_readonly("num_modules", &ParamCoordinator::num_modules);
+}
+
+}  // namespace zcore::bindings

@@ -1,0 +1,240 @@
+// ZeRO-3 parameter coordinator: decides, at each module, which parameter
+// groups to gather (the module's own and the prefetch), which to wait for,
+// and which to release; the Python layer executes its plans.
+//
+// Calling protocol (the Python hooks follow it; see also "Plan" below):
+//
+//   at construction:
+//     g = register_group(numel, element_size)     one per parameter group
+//     m = register_module([g, ...])               one per module with parameters, and one
+//                                                 per extra use site (parameters used outside
+//                                                 their module, GatheredParameters)
+//   each step (forward and backward are one trace: backward continues it):
+//     begin_step(trace_key)                       e.g. 0 training, 1 eval forward, 2 generation
+//     execute(before_module(m))                   forward pre-hook / backward pre-hook
+//     ... the module runs ...
+//     execute(after_module(m))                    forward post-hook / backward post-hook
+//     execute(end_step())                         after backward (or after a no_grad forward)
+//     optimizer step on the shards, then refresh persistent groups (see below)
+//   after an exception inside a step:
+//     execute(abort_step())
+//   once in a while (e.g. each step):
+//     if (d = take_departure_notice()) log it      at most once per stretch of departures
+//
+// A Plan is a list of actions to execute in the order given, before the next
+// call into the coordinator:
+//   kGather  g: take a buffer for g's full parameters and start one async
+//               all-gather of g's shard into it (on the communication stream)
+//   kWait    g: wait for g's all-gather (the parameters become usable)
+//   kRelease g: g is not needed: point its parameters away from the buffer
+//               and return the buffer (g is never in flight when released)
+// The coordinator applies each action's state transition when it issues the
+// plan (so plans cost one native call per hook), which is why the caller must
+// execute every action. Every rank issues the same calls and gets the same
+// plans, so the all-gathers are issued in the same order on every rank; a
+// rank whose modules run in a different order than the others' would hang
+// the collectives, whatever the coordinator does.
+//
+// Guarantees, for a caller that executes every plan:
+// - when before_module(m) returns, every group of m is gathered (after its
+//   kWait) and stays so until the matching after_module(m) (re-entrant: a
+//   module entered again while running, or groups shared by nested modules,
+//   are counted, not gathered twice);
+// - a group in use is never released; a group in flight is waited before it
+//   is released, and no group is in flight after end_step();
+// - live elements (non-persistent groups gathered or in flight) never exceed
+//   max_live_elements, except while the groups in use plus those of the
+//   module being entered alone exceed it; then nothing else is live;
+// - all-gathers started ahead of use stay within prefetch_bucket_elements
+//   (one group larger than the bucket may be prefetched alone).
+//
+// Persistent groups (numel < persistence_threshold) stay gathered once
+// gathered, across steps. The optimizer changes their shards, so after each
+// optimizer step the caller either re-gathers them in place (one coalesced
+// all-gather; their state does not change) or executes release_all() so that
+// they are gathered again on first use.
+//
+// Trace: the first step of a trace_key records the order of group uses; the
+// following steps follow it to prefetch and to keep groups whose next use is
+// near. When a group comes that the trace did not predict, the step is said
+// to depart: the coordinator gathers on demand (correct, without prefetch),
+// looks for the group up to resync_window uses ahead and continues from
+// there if it is found, and at the end of the step adopts what it recorded
+// as the new trace. Departures are counted in the statistics and notified
+// once: take_departure_notice() returns the first departure after a step
+// that followed its trace, and nothing more until the trace is followed for
+// a whole step again.
+//
+// Outside a step, before_module/after_module still work (no trace, no
+// prefetch, release at exit): for GatheredParameters or a forward outside
+// the engine. end_step() requires every module entered, inside the step or
+// before it, to have been left: a missing after_module would otherwise hold
+// gathered memory for good.
+//
+// Not thread-safe: one caller at a time (the Python bindings keep the GIL).
+// Errors: Error(kInvalidHandle) for unknown group or module ids,
+// Error(kInvalidState) for calls out of protocol (after_module without
+// before_module, begin_step inside a step, end_step while a module runs),
+// Error(kInvalidArgument) for bad sizes or config values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "zcore/param_groups.h"
+#include "zcore/prefetch.h"
+#include "zcore/trace.h"
+
+namespace zcore {
+
+using ModuleId = std::int64_t;  // dense: 0, 1, ... in registration order
+
+// Sizes are in parameter elements, as DeepSpeed's stage3_* keys are.
+struct CoordinatorConfig {
+  std::int64_t prefetch_bucket_elements = 50'000'000;  // stage3_prefetch_bucket_size; 0: no prefetch
+  std::int64_t max_live_elements = 1'000'000'000;      // stage3_max_live_parameters
+  // stage3_max_reuse_distance: a group whose next use comes within this many
+  // elements of other uses stays gathered (within the live budget); 0 keeps
+  // only groups used again immediately.
+  std::int64_t max_reuse_distance = 1'000'000'000;
+  std::int64_t persistence_threshold = 100'000;  // stage3_param_persistence_threshold
+  std::int64_t resync_window = 64;  // trace uses searched ahead after a departure
+};
+
+enum class ActionKind : std::uint8_t { kGather, kWait, kRelease };
+
+struct Action {
+  ActionKind kind;
+  GroupId group;
+};
+
+using Plan = std::vector<Action>;
+
+struct TraceDeparture {
+  std::int64_t trace_key;
+  std::int64_t step;      // steps completed before the one that departed
+  std::int64_t position;  // trace use index where execution left the trace
+  GroupId expected;       // group the trace predicted; -1 when the trace had ended
+  GroupId actual;         // group that came; -1 when the step ended before the trace did
+};
+
+struct CoordinatorStats {
+  std::int64_t steps;                // completed end_step() calls
+  std::int64_t aborted_steps;
+  std::int64_t module_calls;         // before_module() calls
+  std::int64_t gathers;              // kGather actions issued
+  std::int64_t elements_gathered;
+  std::int64_t bytes_gathered;       // elements times each group's element_size
+  std::int64_t prefetch_gathers;     // of the gathers, those started ahead of use
+  std::int64_t prefetch_hits;        // uses whose group had been prefetched (arrived or in flight)
+  std::int64_t prefetch_misses;      // uses whose group was sharded: gathered on demand
+  std::int64_t resident_hits;        // uses whose group was still gathered (persistent, kept, in use)
+  std::int64_t prefetch_unused;      // prefetched groups released without being used
+  std::int64_t releases;             // kRelease actions issued
+  std::int64_t trace_departures;     // times execution left the trace (or ended before it)
+  std::int64_t trace_resyncs;        // times it found its place in the trace again
+  std::int64_t trace_recordings;     // traces adopted: first recordings and re-recordings
+  std::int64_t live_elements;        // now
+  std::int64_t peak_live_elements;   // since construction or reset_peak()
+  std::int64_t persistent_elements;  // persistent groups gathered or in flight now
+};
+
+class ParamCoordinator {
+ public:
+  // Throws Error(kInvalidArgument) naming the first negative config value.
+  explicit ParamCoordinator(const CoordinatorConfig& config);
+
+  ParamCoordinator(const ParamCoordinator&) = delete;
+  ParamCoordinator& operator=(const ParamCoordinator&) = delete;
+
+  // A group of numel elements of element_size bytes each when gathered;
+  // persistent when numel < persistence_threshold.
+  GroupId register_group(std::int64_t numel, std::int64_t element_size);
+  // A module (or use site) that needs `groups` gathered while it runs; the
+  // ids must be registered and distinct (an empty list is allowed).
+  ModuleId register_module(const std::vector<GroupId>& groups);
+
+  void begin_step(std::int64_t trace_key);
+  // The returned plans stay valid until the next call.
+  const Plan& before_module(ModuleId module);
+  const Plan& after_module(ModuleId module);
+  const Plan& end_step();
+  // Ends the step (if any) without adopting its recording, forgets all users
+  // and releases every non-persistent group (waiting those in flight).
+  const Plan& abort_step();
+  // Outside a step with no module running: releases every group, persistent
+  // ones included (waiting those in flight).
+  const Plan& release_all();
+
+  std::optional<TraceDeparture> take_departure_notice();
+
+  GroupState state(GroupId group) const;
+  std::int64_t use_count(GroupId group) const;
+  bool persistent(GroupId group) const;
+  const std::vector<GroupId>& module_groups(ModuleId module) const;
+  bool in_step() const { return step_ != StepState::kIdle; }
+  // The trace adopted for a key (empty before its first step ends).
+  std::vector<GroupId> trace(std::int64_t trace_key) const;
+  CoordinatorStats stats() const;
+  void reset_peak();
+  const CoordinatorConfig& config() const { return config_; }
+  std::size_t num_groups() const { return groups_.size(); }
+  std::size_t num_modules() const { return modules_.size(); }
+
+ private:
+  // What the current step does with its trace. Orthogonal to the groups' states.
+  enum class StepState : std::uint8_t {
+    kIdle,       // no step: uses are not traced, nothing is prefetched or kept
+    kRecording,  // no trace for this key yet: uses are recorded, gathered on demand
+    kFollowing,  // uses match the trace: prefetch and reuse distance apply
+    kDeparted,   // a use did not match and no resync yet: on demand until one does
+  };
+
+  struct TraceSlot {
+    ExecutionTrace trace;
+    bool notice_armed = true;  // the next departure is notified
+  };
+
+  const std::vector<GroupId>& module(ModuleId module) const;
+  void follow_trace(GroupId group);
+  void note_departure(GroupId expected, GroupId actual);
+  void make_room(const std::vector<GroupId>& entering);
+  void prefetch(const std::vector<GroupId>& entering);
+  bool evict(std::int64_t deficit, std::size_t min_next_use, bool all_or_nothing,
+             const std::vector<GroupId>& keep);
+  std::size_t next_use(GroupId group) const;
+  bool keep_after_use(GroupId group) const;
+  void drain(bool release_persistent);
+  void finish_step();
+  std::int64_t live_limit(std::int64_t mandatory) const;
+
+  // Each emits one action and applies its transition.
+  void emit_gather(GroupId group, bool ahead_of_use);
+  void emit_wait(GroupId group);
+  void emit_release(GroupId group);
+
+  const CoordinatorConfig config_;
+  ParamGroupTable groups_;
+  std::vector<std::vector<GroupId>> modules_;
+  PrefetchScheduler scheduler_;
+  std::unordered_map<std::int64_t, TraceSlot> traces_;
+
+  StepState step_ = StepState::kIdle;
+  std::int64_t trace_key_ = 0;
+  TraceSlot* slot_ = nullptr;  // the current step's; stable (unordered_map nodes do not move)
+  ExecutionTrace recording_;   // this step's uses, adopted at its end if it departed
+  bool step_departed_ = false;
+  std::size_t position_ = 0;   // next trace use expected
+  std::size_t frontier_ = 0;   // see prefetch.h
+
+  Plan plan_;
+  std::vector<PrefetchCandidate> candidates_;
+  std::vector<std::pair<std::size_t, GroupId>> victims_;
+  std::optional<TraceDeparture> notice_;
+  CoordinatorStats stats_{};
+};
+
+}  // namespace zcore

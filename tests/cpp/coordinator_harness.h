@@ -1,0 +1,348 @@
+// Property harness for ParamCoordinator, shared by the GoogleTest property
+// test (tests/cpp/test_coordinator.cpp, a few thousand traces) and the fuzz
+// target (bench/cpp/bench_coordinator.cpp, >= 10^5 traces).
+//
+// FaithfulCaller plays the Python layer: it executes every plan action on its
+// own view of the groups (built only from the actions, never read from the
+// coordinator) and checks the coordinator's guarantees against that view:
+//   - a module's groups have all arrived when before_module's plan is done;
+//   - nothing is released while a module uses it, or while its gather is in flight;
+//   - live elements never exceed max(budget, elements the running modules and
+//     the module being entered need), after every single action;
+//   - elements gathered ahead of use stay within the bucket (or are one group);
+//   - after end_step/abort_step nothing is in flight and nothing
+//     non-persistent is gathered; after release_all nothing is gathered;
+//   - the coordinator's reported states, use counts, gather count and peak
+//     agree with the caller's view.
+// RandomTrace generates a model (random group sizes, modules sharing groups)
+// and steps of nested, repeated, re-entrant module calls, departing from the
+// previous steps on some of them, under random budgets.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "zcore/coordinator.h"
+#include "zcore/status.h"
+
+namespace zcore::harness {
+
+struct Call {
+  bool enter;
+  ModuleId module;
+};
+using Calls = std::vector<Call>;
+
+class FaithfulCaller {
+ public:
+  // The modules' groups and the groups' sizes come from the test's model;
+  // persistence follows from the configured threshold.
+  FaithfulCaller(ParamCoordinator& coordinator, std::vector<std::vector<GroupId>> modules,
+                 std::vector<std::int64_t> numel)
+      : c_(coordinator), modules_(std::move(modules)), numel_(std::move(numel)) {
+    const std::size_t n = numel_.size();
+    view_.assign(n, View::kSharded);
+    users_.assign(n, 0);
+    ahead_.assign(n, false);
+    for (std::int64_t e : numel_) persistent_.push_back(e < c_.config().persistence_threshold);
+  }
+
+  void call(const Call& call) { call.enter ? enter(call.module) : leave(call.module); }
+
+  void enter(ModuleId m) {
+    const auto& entering = modules_[static_cast<std::size_t>(m)];
+    for (GroupId g : entering) ahead_[idx(g)] = false;  // its use has come
+    execute(c_.before_module(m), &entering);
+    for (GroupId g : entering) {
+      if (view_[idx(g)] != View::kArrived) fail("module " + str(m) + " runs before group " + str(g) + " arrived");
+    }
+    for (GroupId g : entering) ++users_[idx(g)];
+    check_agreement("before_module");
+  }
+
+  void leave(ModuleId m) {
+    for (GroupId g : modules_[static_cast<std::size_t>(m)]) --users_[idx(g)];
+    execute(c_.after_module(m), nullptr);
+    check_live_limit(nullptr, "after_module");
+    check_agreement("after_module");
+  }
+
+  void begin_step(std::int64_t key) { c_.begin_step(key); }
+  void end_step() { finish(c_.end_step(), false, "end_step"); }
+  void abort_step() {
+    std::fill(users_.begin(), users_.end(), 0);
+    finish(c_.abort_step(), false, "abort_step");
+  }
+  void release_all() { finish(c_.release_all(), true, "release_all"); }
+
+  std::int64_t violations() const { return violations_; }
+  const std::string& first_violation() const { return first_; }
+  std::int64_t gathers() const { return gathers_; }
+  std::int64_t peak_live() const { return peak_live_; }
+
+ private:
+  enum class View { kSharded, kInFlight, kArrived };
+
+  static std::size_t idx(GroupId g) { return static_cast<std::size_t>(g); }
+  static std::string str(std::int64_t v) { return std::to_string(v); }
+
+  void fail(const std::string& what) {
+    if (violations_++ == 0) first_ = what;
+  }
+
+  std::int64_t live() const {
+    std::int64_t live = 0;
+    for (std::size_t g = 0; g < view_.size(); ++g) {
+      if (!persistent_[g] && view_[g] != View::kSharded) live += numel_[g];
+    }
+    return live;
+  }
+
+  void check_live_limit(const std::vector<GroupId>* entering, const char* where) {
+    std::int64_t mandatory = 0;
+    for (std::size_t g = 0; g < view_.size(); ++g) {
+      const bool needed = users_[g] > 0 ||
+                          (entering && std::find(entering->begin(), entering->end(),
+                                                 static_cast<GroupId>(g)) != entering->end());
+      if (needed && !persistent_[g]) mandatory += numel_[g];
+    }
+    const std::int64_t limit = std::max(c_.config().max_live_elements, mandatory);
+    if (live() > limit) {
+      fail(std::string(where) + ": live " + str(live()) + " > max(budget, needed) " + str(limit));
+    }
+    std::int64_t ahead = 0, ahead_groups = 0;
+    for (std::size_t g = 0; g < view_.size(); ++g) {
+      if (ahead_[g]) ahead += numel_[g], ++ahead_groups;
+    }
+    if (ahead > c_.config().prefetch_bucket_elements && ahead_groups > 1) {
+      fail(std::string(where) + ": " + str(ahead) + " elements gathered ahead of use > bucket");
+    }
+  }
+
+  void execute(const Plan& plan, const std::vector<GroupId>* entering) {
+    for (const Action& a : plan) {
+      const std::size_t g = idx(a.group);
+      switch (a.kind) {
+        case ActionKind::kGather:
+          if (view_[g] != View::kSharded) fail("gather of group " + str(a.group) + " that is not sharded");
+          view_[g] = View::kInFlight;
+          ahead_[g] = !entering || std::find(entering->begin(), entering->end(), a.group) ==
+                                       entering->end();
+          ++gathers_;
+          break;
+        case ActionKind::kWait:
+          if (view_[g] != View::kInFlight) fail("wait for group " + str(a.group) + " not in flight");
+          view_[g] = View::kArrived;
+          break;
+        case ActionKind::kRelease:
+          if (view_[g] == View::kInFlight) fail("release of group " + str(a.group) + " in flight");
+          if (users_[g] > 0) fail("release of group " + str(a.group) + " in use");
+          view_[g] = View::kSharded;
+          ahead_[g] = false;
+          break;
+      }
+      peak_live_ = std::max(peak_live_, live());
+      if (entering) check_live_limit(entering, "before_module");
+    }
+  }
+
+  void finish(const Plan& plan, bool everything, const char* where) {
+    execute(plan, nullptr);
+    for (std::size_t g = 0; g < view_.size(); ++g) {
+      if (view_[g] == View::kInFlight) fail(std::string(where) + ": group " + str(g) + " left in flight");
+      if (view_[g] == View::kArrived && (everything || !persistent_[g])) {
+        fail(std::string(where) + ": group " + str(g) + " left gathered");
+      }
+    }
+    check_agreement(where);
+  }
+
+  void check_agreement(const char* where) {
+    for (std::size_t g = 0; g < view_.size(); ++g) {
+      const GroupState s = c_.state(static_cast<GroupId>(g));
+      GroupState expected = GroupState::kSharded;
+      if (view_[g] == View::kInFlight) expected = GroupState::kGathering;
+      if (view_[g] == View::kArrived) expected = users_[g] > 0 ? GroupState::kInUse : GroupState::kGathered;
+      if (s != expected || c_.use_count(static_cast<GroupId>(g)) != users_[g]) {
+        fail(std::string(where) + ": group " + str(g) + " is " + group_state_name(s) +
+             " for the coordinator, " + group_state_name(expected) + " for the caller");
+      }
+    }
+    const CoordinatorStats s = c_.stats();
+    if (s.gathers != gathers_ || s.peak_live_elements != peak_live_ || s.live_elements != live()) {
+      fail(std::string(where) + ": statistics disagree with the executed plans");
+    }
+  }
+
+  ParamCoordinator& c_;
+  std::vector<std::vector<GroupId>> modules_;
+  std::vector<std::int64_t> numel_;
+  std::vector<bool> persistent_;
+  std::vector<View> view_;
+  std::vector<std::int64_t> users_;
+  std::vector<bool> ahead_;  // gathered ahead of use, not used since
+  std::int64_t gathers_ = 0;
+  std::int64_t peak_live_ = 0;
+  std::int64_t violations_ = 0;
+  std::string first_;
+};
+
+// One random model, configuration and sequence of steps, from one seed.
+class RandomTrace {
+ public:
+  explicit RandomTrace(std::uint64_t seed) : rng_(seed) {
+    const int n_groups = uniform(1, 24);
+    for (int g = 0; g < n_groups; ++g) {
+      numel_.push_back(static_cast<std::int64_t>(std::pow(10.0, real(0.0, 6.0))));
+      total_ += numel_.back();
+      largest_ = std::max(largest_, numel_.back());
+    }
+    const int n_modules = uniform(1, 16);
+    for (int m = 0; m < n_modules; ++m) {
+      std::vector<GroupId> groups;
+      const int k = chance(0.8) ? 1 : uniform(0, std::min(3, n_groups));
+      while (static_cast<int>(groups.size()) < k) {
+        const GroupId g = uniform(0, n_groups - 1);  // shared groups: tied weights
+        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+      }
+      modules_.push_back(groups);
+    }
+    config_.max_live_elements = pick({0, largest_ / 2, uniform64(largest_, total_), 10 * total_});
+    config_.prefetch_bucket_elements = pick({0, uniform64(1, total_), 10 * total_});
+    config_.max_reuse_distance = pick({0, uniform64(0, total_), 10 * total_});
+    config_.persistence_threshold = pick({0, uniform64(1, 1000), uniform64(1, largest_)});
+    config_.resync_window = pick({0, 1, 4, 64});
+  }
+
+  const CoordinatorConfig& config() const { return config_; }
+
+  // Plays `steps` steps (and some untraced calls, aborts and release_all
+  // between them) through the caller, which records any violation.
+  void run(FaithfulCaller& caller, int steps) {
+    std::vector<Calls> forward = random_forward();
+    for (int s = 0; s < steps; ++s) {
+      const std::int64_t key = chance(0.8) ? 0 : 1;
+      std::vector<Calls> step = chance(0.35) ? depart(forward) : forward;
+      if (chance(0.2)) forward = step;
+      caller.begin_step(key);
+      Calls calls = flatten(step);
+      if (chance(0.7)) append_backward(&calls);
+      if (chance(0.05)) {
+        play_prefix(caller, calls, uniform(0, static_cast<int>(calls.size())));
+        caller.abort_step();
+      } else {
+        for (const Call& c : calls) caller.call(c);
+        caller.end_step();
+      }
+      if (chance(0.1)) {
+        for (const Call& c : random_subtree(0)) caller.call(c);  // untraced, outside a step
+      }
+      if (chance(0.1)) caller.release_all();
+    }
+  }
+
+  const std::vector<std::vector<GroupId>>& modules() const { return modules_; }
+  const std::vector<std::int64_t>& numel() const { return numel_; }
+
+ private:
+  int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  std::int64_t uniform64(std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, std::max(lo, hi))(rng_);
+  }
+  double real(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng_); }
+  bool chance(double p) { return std::bernoulli_distribution(p)(rng_); }
+  std::int64_t pick(std::initializer_list<std::int64_t> options) {
+    return *(options.begin() + uniform(0, static_cast<int>(options.size()) - 1));
+  }
+
+  // A module call with nested calls inside, sometimes of the same module.
+  Calls random_subtree(int depth) {
+    const ModuleId m = uniform(0, static_cast<int>(modules_.size()) - 1);
+    Calls calls{{true, m}};
+    if (depth < 3 && chance(0.3)) {
+      for (int k = uniform(1, 2); k > 0; --k) {
+        Calls inner = chance(0.1) ? Calls{{true, m}, {false, m}} : random_subtree(depth + 1);
+        calls.insert(calls.end(), inner.begin(), inner.end());
+      }
+    }
+    calls.push_back({false, m});
+    return calls;
+  }
+
+  std::vector<Calls> random_forward() {
+    std::vector<Calls> forward;
+    for (int k = uniform(1, 12); k > 0; --k) forward.push_back(random_subtree(0));
+    return forward;
+  }
+
+  // Departures at the granularity of top-level calls, so nesting stays
+  // balanced: a call skipped, one inserted, the step cut short, or a new program.
+  std::vector<Calls> depart(std::vector<Calls> forward) {
+    const int kind = uniform(0, 3);
+    const auto at = [&](std::size_t extra) {
+      return forward.begin() + uniform(0, static_cast<int>(forward.size() + extra) - 1);
+    };
+    if (kind == 0 && !forward.empty()) forward.erase(at(0));
+    if (kind == 1) forward.insert(at(1), random_subtree(0));
+    if (kind == 2 && !forward.empty()) forward.erase(at(0), forward.end());
+    if (kind == 3) forward = random_forward();
+    return forward;
+  }
+
+  static Calls flatten(const std::vector<Calls>& parts) {
+    Calls calls;
+    for (const Calls& p : parts) calls.insert(calls.end(), p.begin(), p.end());
+    return calls;
+  }
+
+  // Backward visits the forward calls in reverse, nested the same way.
+  static void append_backward(Calls* calls) {
+    const std::size_t n = calls->size();
+    for (std::size_t i = n; i-- > 0;) calls->push_back({!(*calls)[i].enter, (*calls)[i].module});
+  }
+
+  static void play_prefix(FaithfulCaller& caller, const Calls& calls, int count) {
+    for (int i = 0; i < count; ++i) caller.call(calls[static_cast<std::size_t>(i)]);
+  }
+
+  std::mt19937_64 rng_;
+  std::vector<std::int64_t> numel_;
+  std::vector<std::vector<GroupId>> modules_;
+  std::int64_t total_ = 0;
+  std::int64_t largest_ = 0;
+  CoordinatorConfig config_;
+};
+
+struct PropertyVerdict {
+  std::int64_t violations = 0;
+  std::string first_violation;
+  CoordinatorStats stats{};  // what the trace exercised
+};
+
+// One random trace checked end to end; deterministic in the seed. A
+// zcore::Error thrown by the coordinator counts as a violation: the harness
+// follows the protocol, so the coordinator must never reject it.
+inline PropertyVerdict check_random_trace(std::uint64_t seed) {
+  RandomTrace trace(seed);
+  ParamCoordinator coordinator(trace.config());
+  for (std::int64_t numel : trace.numel()) coordinator.register_group(numel, 2);
+  for (const auto& groups : trace.modules()) coordinator.register_module(groups);
+  FaithfulCaller caller(coordinator, trace.modules(), trace.numel());
+  PropertyVerdict verdict;
+  try {
+    trace.run(caller, 2 + static_cast<int>(seed % 5));
+    verdict = {caller.violations(), caller.first_violation(), coordinator.stats()};
+  } catch (const Error& e) {
+    verdict = {caller.violations() + 1, std::string("coordinator threw: ") + e.what(),
+               coordinator.stats()};
+  }
+  if (verdict.violations > 0) verdict.first_violation = "seed " + std::to_string(seed) + ": " +
+                                                        verdict.first_violation;
+  return verdict;
+}
+
+}  // namespace zcore::harness

@@ -1,0 +1,147 @@
+"""The native ZeRO-3 coordinator driven from Python: plans, errors, notices.
+
+The exhaustive checks are in C++ (tests/cpp/test_coordinator.cpp); these
+check that the bindings carry the protocol across intact.
+"""
+
+import random
+
+import pytest
+
+import zcore
+from zcore import _C
+
+G, W, R = _C.Action.GATHER, _C.Action.WAIT, _C.Action.RELEASE
+S = 1_000_000  # a layer-sized group, above the persistence threshold
+
+
+def chain(n, **config):
+    c = _C.ParamCoordinator(_C.CoordinatorConfig(**config))
+    modules = [c.register_module([c.register_group(S, 2)]) for _ in range(n)]
+    return c, modules
+
+
+def step(c, modules, key=0):
+    plans = []
+    c.begin_step(key)
+    for m in modules:
+        plans.append(c.before_module(m))
+        plans.append(c.after_module(m))
+    plans.append(c.end_step())
+    return plans
+
+
+def test_first_step_records_and_the_next_one_prefetches():
+    c, modules = chain(4, prefetch_bucket_elements=2 * S, max_reuse_distance=0)
+    assert step(c, modules)[:2] == [[(G, 0), (W, 0)], [(R, 0)]]
+    assert c.trace() == [0, 1, 2, 3]
+    assert step(c, modules) == [
+        [(G, 0), (G, 1), (G, 2), (W, 0)],  # own group, then the bucket's prefetch
+        [(R, 0)],
+        [(G, 3), (W, 1)],
+        [(R, 1)],
+        [(W, 2)],
+        [(R, 2)],
+        [(W, 3)],
+        [(R, 3)],
+        [],
+    ]
+    s = c.stats()
+    assert (s.steps, s.prefetch_hits, s.prefetch_misses, s.gathers) == (2, 3, 5, 8)
+    assert s.bytes_gathered == 8 * 2 * S
+    assert s.peak_live_elements == 3 * S and s.live_elements == 0
+    assert c.state(0) is _C.GroupState.SHARDED
+
+
+def test_protocol_misuse_raises_zcore_exceptions_with_details():
+    with pytest.raises(zcore.InvalidArgumentError, match="max_live_elements") as info:
+        _C.ParamCoordinator(_C.CoordinatorConfig(max_live_elements=-1))
+    assert info.value.key == "max_live_elements" and info.value.value == -1
+    c, modules = chain(2)
+    with pytest.raises(zcore.InvalidStateError) as info:
+        c.after_module(modules[0])
+    assert (info.value.module, info.value.group, info.value.state) == (0, 0, "sharded")
+    with pytest.raises(zcore.InvalidHandleError):
+        c.before_module(7)
+    with pytest.raises(zcore.InvalidArgumentError, match="listed twice"):
+        c.register_module([1, 1])
+    c.begin_step()
+    c.before_module(modules[1])
+    with pytest.raises(zcore.InvalidStateError, match="abort_step"):
+        c.end_step()
+    assert c.abort_step() == [(R, 1)]
+    assert not c.in_step and c.stats().aborted_steps == 1
+
+
+def test_a_departure_is_notified_once_and_the_step_stays_correct():
+    c, modules = chain(3, prefetch_bucket_elements=S, max_reuse_distance=0)
+    step(c, modules)
+    notices = []
+    for i in range(6):
+        plans = step(c, modules[::2] if i % 2 == 0 else modules)
+        notices.append(c.take_departure_notice())
+        assert plans[-1] in ([], [(W, 1), (R, 1)]), "an unused prefetch is waited, then released"
+    first = notices[0]
+    assert (first.expected, first.actual, first.position, first.step) == (1, 2, 1, 1)
+    assert notices[1:] == [None] * 5
+    assert c.stats().trace_departures == 6
+
+
+def test_persistent_groups_stay_gathered_until_release_all():
+    c = _C.ParamCoordinator(_C.CoordinatorConfig(persistence_threshold=1000))
+    small, big = c.register_group(10, 4), c.register_group(5000, 4)
+    m = c.register_module([small, big])
+    assert c.persistent(small) and not c.persistent(big)
+    c.begin_step(0)
+    c.before_module(m)
+    c.after_module(m)
+    c.end_step()
+    assert c.state(small) is _C.GroupState.GATHERED
+    assert c.state(big) is _C.GroupState.SHARDED
+    assert c.release_all() == [(R, small)]
+
+
+def test_a_caller_executing_the_plans_sees_the_guarantees():
+    """A small random model played in Python: modules run only on arrived
+    groups, nothing in use or in flight is released, live stays in budget."""
+    rng = random.Random(5)
+    sizes = [rng.randrange(1, 4) * S for _ in range(8)]
+    budget = 5 * S
+    c = _C.ParamCoordinator(
+        _C.CoordinatorConfig(prefetch_bucket_elements=3 * S, max_live_elements=budget, max_reuse_distance=2 * S)
+    )
+    groups = [c.register_group(n, 2) for n in sizes]
+    modules = [c.register_module([g]) for g in groups]
+    where = {g: "sharded" for g in groups}
+    users = dict.fromkeys(groups, 0)
+
+    def execute(plan, needed=()):
+        for action, g in plan:
+            if action is G:
+                assert where[g] == "sharded"
+                where[g] = "in flight"
+            elif action is W:
+                assert where[g] == "in flight"
+                where[g] = "arrived"
+            else:
+                assert where[g] == "arrived" and users[g] == 0
+                where[g] = "sharded"
+            live = sum(sizes[h] for h in groups if where[h] != "sharded")
+            mandatory = sum(sizes[h] for h in groups if users[h] or h in needed)
+            assert live <= max(budget, mandatory)
+
+    order = [rng.randrange(8) for _ in range(12)]
+    for key in (0, 0, 0, 0):
+        c.begin_step(key)
+        for m in order + order[::-1]:
+            g = c.module_groups(m)[0]
+            execute(c.before_module(m), needed=(g,))
+            assert where[g] == "arrived"
+            users[g] += 1  # the module runs
+            users[g] -= 1
+            execute(c.after_module(m))
+        execute(c.end_step())
+        assert set(where.values()) == {"sharded"}
+        if rng.random() < 0.5:
+            order[rng.randrange(len(order))] = rng.randrange(8)
+    assert c.stats().prefetch_hits > 0
