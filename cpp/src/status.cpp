@@ -11,6 +11,10 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kCudaUnavailable: return "CudaUnavailable";
     case StatusCode::kCudaError: return "CudaError";
     case StatusCode::kSystemError: return "SystemError";
+    case StatusCode::kIoError: return "IoError";
+    case StatusCode::kNoSpace: return "NoSpace";
+    case StatusCode::kShortRead: return "ShortRead";
+    case StatusCode::kFileTooSmall: return "FileTooSmall";
   }
   return "Unknown";
 }
