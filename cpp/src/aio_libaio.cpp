@@ -7,6 +7,8 @@
 // work remains. Bounce buffers belong to slots (allocated on first need), so
 // they never exceed threads * queue_depth * block_size bytes.
 #include <libaio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -17,6 +19,15 @@
 
 namespace zcore::aio {
 namespace {
+
+// The kernel's io_getevents, called directly: libaio.a defines its wrapper
+// as the versioned symbol io_getevents@@LIBAIO_0.4, which cannot be linked
+// statically into a shared module (ld: "version node not found"), and the
+// wheel must not depend on libaio.so. Returns the event count or -errno.
+int get_events(io_context_t ctx, long min_nr, long nr, struct io_event* events) {
+  const long rc = ::syscall(SYS_io_getevents, ctx, min_nr, nr, events, nullptr);
+  return rc < 0 ? -errno : static_cast<int>(rc);
+}
 
 class LibaioEngine final : public QueuedEngine {
  public:
@@ -138,7 +149,7 @@ class LibaioEngine final : public QueuedEngine {
 
       int n;
       do {
-        n = io_getevents(worker.ctx, 1, static_cast<long>(depth), events.data(), nullptr);
+        n = get_events(worker.ctx, 1, static_cast<long>(depth), events.data());
       } while (n == -EINTR);
       for (int i = 0; i < n; ++i) {
         Slot* s = static_cast<Slot*>(events[i].data);

@@ -5,33 +5,46 @@ package wires it into PyTorch.
 """
 
 from zcore import _C
+from zcore.aio import AioEngine, IoHandle
 from zcore.arena import Arena, Block
 from zcore.errors import (
     CudaError,
     CudaUnavailableError,
+    DiskFullError,
+    DiskIOError,
+    FileTooSmallError,
     HostMemoryBudgetError,
     InvalidArgumentError,
     InvalidHandleError,
     NativeOSError,
     OutOfArenaError,
+    ShortReadError,
     ZcoreError,
 )
 from zcore.host_memory import HostMemory
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
+from zcore.swap import SwapManager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AioEngine",
     "Arena",
     "Block",
     "CudaError",
     "CudaUnavailableError",
+    "DiskFullError",
+    "DiskIOError",
+    "FileTooSmallError",
     "HostMemory",
     "HostMemoryBudgetError",
     "InvalidArgumentError",
     "InvalidHandleError",
+    "IoHandle",
     "NativeOSError",
     "OutOfArenaError",
+    "ShortReadError",
+    "SwapManager",
     "ZcoreError",
     "build_info",
     "cuda_available",

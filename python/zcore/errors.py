@@ -54,6 +54,29 @@ class NativeOSError(ZcoreError, OSError):
     """An operating-system call of the native core failed (see ``errno``)."""
 
 
+class DiskIOError(ZcoreError, OSError):
+    """A file read or write of the I/O engine or the swap manager failed, or
+    a swap directory cannot be used.
+
+    Attributes (as reported): ``path``, ``offset``, ``bytes``, ``errno``.
+    """
+
+
+class DiskFullError(DiskIOError):
+    """No space left for a write (ENOSPC, EDQUOT, or EFBIG: a file size
+    limit), or a swap directory whose filesystem lacks room for the planned
+    swap size (then ``required`` and ``available`` in bytes)."""
+
+
+class ShortReadError(DiskIOError):
+    """The file ended before the bytes a read asked for: it was truncated
+    while the read was pending. ``offset`` is where the file ended."""
+
+
+class FileTooSmallError(DiskIOError):
+    """A read asks for bytes past the end of the file (``file_size``)."""
+
+
 _BY_STATUS: dict[str, type[ZcoreError]] = {
     "InvalidArgument": InvalidArgumentError,
     "OutOfArena": OutOfArenaError,
@@ -62,6 +85,10 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
     "CudaUnavailable": CudaUnavailableError,
     "CudaError": CudaError,
     "SystemError": NativeOSError,
+    "IoError": DiskIOError,
+    "NoSpace": DiskFullError,
+    "ShortRead": ShortReadError,
+    "FileTooSmall": FileTooSmallError,
 }
 
 
