@@ -1,14 +1,15 @@
 """NVMe I/O engines on this machine's disk: zcore vs fio vs DeepSpeed's aio_handle.
 
-    python bench/aio.py [--dir build/bench-aio] [--sizes 1G,4G] [--repeats 3]
+    python bench/aio.py [--dir build/bench-aio] [--sizes 1G,4G] [--repeats 5]
 
 All three use libaio with O_DIRECT on page-aligned, locked host buffers. Each
 is first swept over block size, queue depth and threads (DeepSpeed also over
 overlap_events) on --sweep-size transfers; then each, at its best setting for
 the operation, writes and reads every size --repeats times, tools interleaved
 and their order rotated so that drift of the (virtual, noisy) disk hits all
-alike. Prints medians and [min, max] in GB/s (1e9 bytes/s), and the ratios of
-zcore's median to the others'. Scratch files live under --dir and are deleted.
+alike; the same loop also runs every tool at one common setting. Prints
+medians and [min, max] in GB/s (1e9 bytes/s), and the ratios of zcore's
+median to the others'. Scratch files live under --dir and are deleted.
 
 DeepSpeed is optional (`pip install deepspeed==0.19.8`; it JIT-builds its aio
 op with libaio-dev on first use); without it its rows say why.
@@ -19,13 +20,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +37,7 @@ from zcore.aio_tune import aligned_buffer, parse_size
 
 GRID_BLOCK = (256 << 10, 1 << 20, 4 << 20)
 GRID_DEPTH = (16, 64)
-GRID_THREADS = (1, 2, 4)
+GRID_THREADS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class DeepSpeed(Tool):
         self.path = directory / "deepspeed.bin"
         self.handles: dict[Setting, object] = {}
         self.buffer: torch.Tensor | None = None
+        # A private JIT build directory: ~/.cache/torch_extensions is shared
+        # by every checkout and venv of the user, which rebuild over each other.
+        repo = Path(__file__).resolve().parents[1]
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(repo / "build" / "torch_extensions"))
         from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415 - optional peer
 
         self.module = AsyncIOBuilder().load(verbose=False)
@@ -174,15 +180,11 @@ class DeepSpeed(Tool):
         self.buffer = None
 
 
-@dataclass
-class Samples:
-    values: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
-
-    def add(self, tool: str, op: str, size: int, gbps: float) -> None:
-        self.values.setdefault((tool, op, size), []).append(gbps)
-
-    def median(self, tool: str, op: str, size: int) -> float:
-        return statistics.median(self.values[(tool, op, size)])
+# Same block size, queue depth and threads for every tool: the comparison
+# that does not depend on how each sweep's noise picked its "best".
+COMMON = Setting(1 << 20, 64, 1)
+KINDS = ("best", "same")
+Key = tuple[str, str, str, int]  # tool, kind, op, size
 
 
 def best_settings(tool: Tool, size: int, repeats: int) -> dict[str, tuple[Setting, float]]:
@@ -196,6 +198,11 @@ def best_settings(tool: Tool, size: int, repeats: int) -> dict[str, tuple[Settin
     return best
 
 
+def common_setting(tool: Tool) -> Setting:
+    # DeepSpeed keeps its queue full only with overlap_events.
+    return Setting(COMMON.block_size, COMMON.queue_depth, COMMON.threads, tool.name == "deepspeed")
+
+
 def rotations(tools: list[Tool], repeats: int) -> Iterator[list[Tool]]:
     for r in range(repeats):
         k = r % len(tools)
@@ -206,8 +213,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("build/bench-aio"))
     parser.add_argument("--sizes", default="1G,4G")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sweep-size", default="256M")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep-size", default="512M")
     parser.add_argument("--sweep-repeats", type=int, default=2)
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -222,25 +229,27 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
             print(f"{make.__name__}: unavailable ({type(exc).__name__}: {exc})")
     try:
-        best: dict[str, dict[str, tuple[Setting, float]]] = {}
+        settings: dict[tuple[str, str, str], Setting] = {}  # (tool, kind, op)
         for tool in tools:
             tool.prepare(sweep_size)
-            best[tool.name] = best_settings(tool, sweep_size, args.sweep_repeats)
-            tool.release()
-            for op, (setting, gbps) in best[tool.name].items():
+            for op, (setting, gbps) in best_settings(tool, sweep_size, args.sweep_repeats).items():
                 print(f"sweep {tool.name:>9} {op:>5}: best {setting.label()} ({gbps:.2f} GB/s)")
+                settings[(tool.name, "best", op)] = setting
+                settings[(tool.name, "same", op)] = common_setting(tool)
+            tool.release()
 
-        samples = Samples()
+        samples: dict[Key, list[float]] = {}
         for size in sizes:
             for tool in tools:
                 tool.prepare(size)
             for order in rotations(tools, args.repeats):
-                for tool in order:
+                for tool, kind in itertools.product(order, KINDS):
                     for op, write in (("write", True), ("read", False)):
-                        samples.add(tool.name, op, size, tool.run(best[tool.name][op][0], write, size))
+                        gbps = tool.run(settings[(tool.name, kind, op)], write, size)
+                        samples.setdefault((tool.name, kind, op, size), []).append(gbps)
             for tool in tools:
                 tool.release()
-        print_table(tools, best, samples, sizes, args.repeats)
+        print_table([t.name for t in tools], settings, samples, sizes, args.repeats)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 
@@ -250,29 +259,29 @@ def size_label(size: int) -> str:
 
 
 def print_table(
-    tools: list[Tool],
-    best: dict[str, dict[str, tuple[Setting, float]]],
-    samples: Samples,
+    tools: list[str],
+    settings: dict[tuple[str, str, str], Setting],
+    samples: dict[Key, list[float]],
     sizes: list[int],
     repeats: int,
 ) -> None:
-    print(f"\nmedian GB/s [min, max] of {repeats} interleaved runs, best sweep setting per tool and op")
-    print(f"{'size':>5} {'op':>5} {'tool':>9} {'median':>7} {'range':>13}  setting")
-    for size in sizes:
-        for op in ("write", "read"):
-            for tool in tools:
-                values = samples.values[(tool.name, op, size)]
-                print(
-                    f"{size_label(size):>5} {op:>5} {tool.name:>9} {statistics.median(values):>7.2f} "
-                    f"[{min(values):5.2f}, {max(values):5.2f}]  {best[tool.name][op][0].label()}"
-                )
-            z = samples.median("zcore", op, size)
-            ratios = ", ".join(
-                f"zcore/{t.name} {z / samples.median(t.name, op, size):.2f}x"
-                for t in tools
-                if t.name != "zcore"
+    print(f"\nGB/s (1e9 B/s): median [min, max] of {repeats} interleaved runs")
+    print("best = each tool's best sweep setting; same = " + COMMON.label() + " for all")
+    print(f"{'size':>5} {'op':>5} {'kind':>4} {'tool':>9} {'median':>7} {'range':>14}  setting")
+    for size, op, kind in itertools.product(sizes, ("write", "read"), KINDS):
+        medians = {}
+        for tool in tools:
+            values = samples[(tool, kind, op, size)]
+            medians[tool] = statistics.median(values)
+            print(
+                f"{size_label(size):>5} {op:>5} {kind:>4} {tool:>9} {medians[tool]:>7.2f} "
+                f"[{min(values):5.2f}, {max(values):5.2f}]  {settings[(tool, kind, op)].label()}"
             )
-            print(f"{'':>11} {ratios}")
+        if "zcore" in medians:
+            ratios = ", ".join(
+                f"zcore/{t} {medians['zcore'] / medians[t]:.2f}x" for t in tools if t != "zcore"
+            )
+            print(f"{'':>16} {ratios}")
 
 
 if __name__ == "__main__":
