@@ -226,28 +226,26 @@ IoHandle QueuedEngine::submit(const IoRequest& io) {
   return handle;
 }
 
-bool QueuedEngine::poll(IoHandle handle) {
-  std::lock_guard<std::mutex> lock(state_mutex_);
+std::shared_ptr<Request> QueuedEngine::find_locked(IoHandle handle) const {
   const auto it = requests_.find(handle);
   if (it == requests_.end()) {
     throw Error(StatusCode::kInvalidHandle,
                 "I/O handle " + std::to_string(handle) + " is unknown or was already waited for",
                 {{"handle", static_cast<std::int64_t>(handle)}});
   }
-  return it->second->done;
+  return it->second;
+}
+
+bool QueuedEngine::poll(IoHandle handle) {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return find_locked(handle)->done;
 }
 
 void QueuedEngine::wait(IoHandle handle) {
   std::shared_ptr<Request> r;
   {
     std::unique_lock<std::mutex> lock(state_mutex_);
-    const auto it = requests_.find(handle);
-    if (it == requests_.end()) {
-      throw Error(StatusCode::kInvalidHandle,
-                  "I/O handle " + std::to_string(handle) + " is unknown or was already waited for",
-                  {{"handle", static_cast<std::int64_t>(handle)}});
-    }
-    r = it->second;
+    r = find_locked(handle);
     done_cv_.wait(lock, [&] { return r->done; });
     requests_.erase(handle);
   }

@@ -96,6 +96,7 @@ class QueuedEngine : public AioEngine {
   void stop_workers();
 
  private:
+  std::shared_ptr<Request> find_locked(IoHandle handle) const;  // holds state_mutex_
   void fail(Request& r, Error error);
   void finish_block(Work& work);
   void finish_request(Request& r);
