@@ -2,8 +2,10 @@
 
     python bench/aio.py [--dir build/bench-aio] [--sizes 1G,4G] [--repeats 5]
 
-All three use libaio with O_DIRECT on page-aligned, locked host buffers. Each
-is first swept over block size, queue depth and threads (DeepSpeed also over
+All use libaio with O_DIRECT on page-aligned, locked host buffers: zcore on
+its own host memory (2 MiB transparent huge pages), zcore-4k on 4 KiB pages
+like DeepSpeed's locked tensors (the engine alone), fio on its own. Each is
+first swept over block size, queue depth and threads (DeepSpeed also over
 overlap_events) on --sweep-size transfers; then each, at its best setting for
 the operation, writes and reads every size --repeats times, tools interleaved
 and their order rotated so that drift of the (virtual, noisy) disk hits all
@@ -18,8 +20,10 @@ op with libaio-dev on first use); without it its rows say why.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -100,6 +104,31 @@ class Zcore(Tool):
 
     def release(self) -> None:
         self.buffer = None
+
+
+class ZcoreSmallPages(Zcore):
+    """zcore's engine on a buffer of 4 KiB pages (page-aligned, locked), like
+    DeepSpeed's: separates the engine's share of zcore's speed from that of
+    its huge-page host buffers."""
+
+    name = "zcore-4k"
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.path = directory / "zcore-4k.bin"
+        self.mapping: mmap.mmap | None = None
+
+    def prepare(self, size: int) -> None:
+        self.mapping = mmap.mmap(-1, size)
+        self.mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        self.buffer = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self.buffer.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+        ctypes.CDLL(None).mlock(ctypes.c_void_p(self.buffer.data_ptr()), ctypes.c_size_t(size))
+        self.run(Setting(1 << 20, 32, 1), True, size)
+
+    def release(self) -> None:
+        self.buffer = None  # the mapping is unmapped (and unlocked) when collected
+        self.mapping = None
 
 
 class Fio(Tool):
@@ -221,7 +250,7 @@ def main() -> None:
     sweep_size = parse_size(args.sweep_size)
     args.dir.mkdir(parents=True, exist_ok=True)
 
-    makers: list[Callable[[Path], Tool]] = [Zcore, Fio, DeepSpeed]
+    makers: list[Callable[[Path], Tool]] = [Zcore, ZcoreSmallPages, Fio, DeepSpeed]
     tools: list[Tool] = []
     for make in makers:
         try:
