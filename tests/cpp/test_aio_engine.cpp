@@ -235,10 +235,21 @@ TEST_P(AioEngineTest, MissingFileIsAnIoErrorWithErrno) {
 }
 
 TEST_P(AioEngineTest, TruncationUnderAPendingReadIsAShortRead) {
-  MAKE_ENGINE(engine, 4096);
+  MAKE_ENGINE(probe);
+  probe.reset();
+  // One 4 KiB block at a time from disk (the file is dropped from the page
+  // cache), so the read lasts long enough for the truncation to land under it.
+  AioConfig c = config_for(GetParam(), 4096);
+  c.queue_depth = 1;
+  c.threads = 1;
+  auto engine = AioEngine::create(c);
   const std::string path = tmp_.file("trunc");
   const std::size_t n = 48u << 20;
   write_file(path, std::vector<unsigned char>(n, 0xab));
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_EQ(::fdatasync(fd), 0);
+  ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  ::close(fd);
   Buffer b(n, 0);
   const auto h = engine->submit({IoOp::kRead, b.data(), static_cast<std::int64_t>(n), path, 0});
   ASSERT_EQ(::truncate(path.c_str(), 1 << 20), 0);

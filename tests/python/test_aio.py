@@ -176,12 +176,16 @@ def test_missing_file_names_path_and_errno(engine: zcore.AioEngine, tmp_path: Pa
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_truncated_under_a_pending_read_is_a_short_read(backend: str, tmp_path: Path) -> None:
-    # One small block in flight at a time, so the read takes long enough for
-    # the truncation to land while it is pending.
+    # One small block in flight at a time, from disk, so the read takes long
+    # enough for the truncation to land while it is pending.
     slow = zcore.AioEngine(block_size=4096, queue_depth=1, threads=1, backend=backend)
     path = tmp_path / "trunc.bin"
     n = 48 << 20
     path.write_bytes(b"\xab" * n)
+    fd = os.open(path, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from disk: slow enough
+    os.close(fd)
     handle = slow.pread(host_tensor(n, 0), path)
     os.truncate(path, 1 << 20)
     with pytest.raises(zcore.ShortReadError) as info:
