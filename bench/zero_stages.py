@@ -95,7 +95,7 @@ def _rank_main(system, rank, world, port, steps, warmup, out):
         step()
         times.append(time.perf_counter() - start)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put(pickle.dumps((rank, times[warmup:], peak_mib, float(loss))))
+    out.put(pickle.dumps((rank, times[warmup:], peak_mib, float(loss.detach()))))
 
 
 def run_system(system: str, steps: int, warmup: int) -> dict:

@@ -12,5 +12,8 @@ void bind_host_memory(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
 void bind_coordinator(pybind11::module_& m);
+void bind_aio_engine(pybind11::module_& m);
+void bind_buffer_pool(pybind11::module_& m);
+void bind_swap_manager(pybind11::module_& m);
 
 }  // namespace zcore::bindings

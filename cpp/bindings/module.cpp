@@ -3,7 +3,7 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() =
       "zcore native core: allocator, host memory, CUDA runtime queries, optimizer kernels, "
-      "ZeRO-3 parameter coordinator";
+      "ZeRO-3 parameter coordinator, I/O engine, swap";
   zcore::bindings::bind_errors(m);
   zcore::bindings::bind_build_info(m);
   zcore::bindings::bind_allocator(m);
@@ -11,4 +11,7 @@ PYBIND11_MODULE(_C, m) {
   zcore::bindings::bind_cuda(m);
   zcore::bindings::bind_optim(m);
   zcore::bindings::bind_coordinator(m);
+  zcore::bindings::bind_aio_engine(m);
+  zcore::bindings::bind_buffer_pool(m);
+  zcore::bindings::bind_swap_manager(m);
 }

@@ -12,6 +12,10 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kCudaError: return "CudaError";
     case StatusCode::kSystemError: return "SystemError";
     case StatusCode::kInvalidState: return "InvalidState";
+    case StatusCode::kIoError: return "IoError";
+    case StatusCode::kNoSpace: return "NoSpace";
+    case StatusCode::kShortRead: return "ShortRead";
+    case StatusCode::kFileTooSmall: return "FileTooSmall";
   }
   return "Unknown";
 }

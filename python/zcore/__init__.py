@@ -5,6 +5,7 @@ package wires it into PyTorch.
 """
 
 from zcore import _C
+from zcore.aio import AioEngine, IoHandle
 from zcore.arena import Arena, Block
 from zcore.config import Config
 from zcore.engine import Engine
@@ -12,35 +13,47 @@ from zcore.errors import (
     ConfigError,
     CudaError,
     CudaUnavailableError,
+    DiskFullError,
+    DiskIOError,
+    FileTooSmallError,
     HostMemoryBudgetError,
     InvalidArgumentError,
     InvalidHandleError,
     InvalidStateError,
     NativeOSError,
     OutOfArenaError,
+    ShortReadError,
     ZcoreError,
 )
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
+from zcore.swap import SwapManager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AioEngine",
     "Arena",
     "Block",
     "Config",
     "ConfigError",
     "CudaError",
     "CudaUnavailableError",
+    "DiskFullError",
+    "DiskIOError",
     "Engine",
+    "FileTooSmallError",
     "HostMemory",
     "HostMemoryBudgetError",
     "InvalidArgumentError",
     "InvalidHandleError",
     "InvalidStateError",
+    "IoHandle",
     "NativeOSError",
     "OutOfArenaError",
+    "ShortReadError",
+    "SwapManager",
     "ZcoreError",
     "build_info",
     "cuda_available",

@@ -60,6 +60,33 @@ class InvalidStateError(ZcoreError, RuntimeError):
     a module still runs. Attributes name the object and its state."""
 
 
+class DiskIOError(ZcoreError, OSError):
+    """A file read or write of the I/O engine or the swap manager failed, or
+    a swap directory cannot be used.
+
+    Attributes (as reported): ``path``, ``offset``, ``bytes``, ``errno``.
+    """
+
+
+class DiskFullError(DiskIOError):
+    """No space left for a write (ENOSPC, EDQUOT, or EFBIG: a file size
+    limit), or a swap directory whose filesystem lacks room for the planned
+    swap size (then ``required`` and ``available`` in bytes)."""
+
+
+class ShortReadError(DiskIOError):
+    """The file ended before the bytes a read asked for: it was truncated
+    while the read was pending. ``offset`` is where the file ended."""
+
+
+class FileTooSmallError(DiskIOError):
+    """A read asks for bytes past the end of the file (``file_size``)."""
+
+
+class ConfigError(ZcoreError, ValueError):
+    """A config key that is unknown, unsupported, mistyped or inconsistent."""
+
+
 _BY_STATUS: dict[str, type[ZcoreError]] = {
     "InvalidArgument": InvalidArgumentError,
     "OutOfArena": OutOfArenaError,
@@ -69,13 +96,13 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
     "CudaError": CudaError,
     "SystemError": NativeOSError,
     "InvalidState": InvalidStateError,
+    "IoError": DiskIOError,
+    "NoSpace": DiskFullError,
+    "ShortRead": ShortReadError,
+    "FileTooSmall": FileTooSmallError,
 }
 
 
 def exception_for(status: str) -> type[ZcoreError]:
     """The exception class for a native status code name (used by ``_C``)."""
     return _BY_STATUS.get(status, ZcoreError)
-
-
-class ConfigError(ZcoreError, ValueError):
-    """A config key that is unknown, unsupported, mistyped or inconsistent."""

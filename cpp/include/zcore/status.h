@@ -25,6 +25,10 @@ enum class StatusCode {
   kCudaError,        // a CUDA runtime call failed
   kSystemError,      // an OS call failed (errno in the details)
   kInvalidState,     // a call that the object's current state does not allow (protocol misuse)
+  kIoError,          // a file read or write failed (path, offset, errno in the details)
+  kNoSpace,          // a write or a planned swap size does not fit on the filesystem
+  kShortRead,        // a file ended before the bytes a read asked for (truncated under it)
+  kFileTooSmall,     // a read asks for bytes past the end of the file
 };
 
 const char* status_code_name(StatusCode code);

@@ -1,0 +1,134 @@
+// Swap manager: where each swapped-out tensor lives on disk, and the I/O that
+// moves it out and back in.
+//
+// Each rank owns one swap file under a user-given directory, sized for the
+// `capacity` bytes it plans to swap. Tensors are identified by a caller-chosen
+// id; each id owns an extent of the file (offset and size aligned to
+// kIoAlignment, so aligned buffers take the O_DIRECT path with no bounce).
+// Extents are placed best-fit and freed extents are reused and coalesced (a
+// ContiguousAllocator over the file's byte range, without compaction).
+//
+// The caller owns the memory (Python holds the tensors): swap_out() and
+// swap_in() start asynchronous I/O on a buffer that must stay valid until
+// wait(id). Several ids can be in flight at once, which is how the pipeline
+// works: start swapping in the next item while the current one is used, and
+// swap out the previous one.
+//
+// The constructor checks the directory before training starts: it must exist,
+// accept a new file (kIoError naming the path and errno otherwise: EACCES,
+// EROFS, ...), and its filesystem must have `capacity` bytes free (kNoSpace
+// with `required` and `available`). close() (or the destructor) waits for
+// pending I/O and removes the swap file.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "zcore/aio_engine.h"
+#include "zcore/allocator.h"
+
+namespace zcore {
+
+using SwapId = std::int64_t;
+
+// Life of one id in the swap manager (ids not present are not swapped).
+enum class SwapState {
+  kWriting,  // swap-out in flight: the caller's buffer is being read
+  kOnDisk,   // bytes are in the swap file, no I/O in flight
+  kReading,  // swap-in in flight: the caller's buffer is being filled
+};
+
+const char* swap_state_name(SwapState state);
+
+struct SwapConfig {
+  std::string directory;     // must exist and be writable
+  int rank = 0;              // names the swap file, one per rank
+  std::int64_t capacity = 0; // bytes of swap space this rank plans to use
+  AioConfig io;              // engine settings; probe_directory is set to `directory`
+};
+
+struct SwapExtent {
+  std::uint64_t offset;  // in the swap file, aligned to kIoAlignment
+  std::uint64_t bytes;   // bytes swapped out (the extent is rounded up)
+};
+
+struct SwapStats {
+  std::uint64_t capacity;
+  std::uint64_t used;          // bytes in extents (rounded to kIoAlignment)
+  std::uint64_t largest_free;  // largest extent that can still be allocated
+  std::uint64_t entries;
+  std::uint64_t bytes_swapped_out;
+  std::uint64_t bytes_swapped_in;
+};
+
+class SwapManager {
+ public:
+  explicit SwapManager(const SwapConfig& config);
+  ~SwapManager();
+  SwapManager(const SwapManager&) = delete;
+  SwapManager& operator=(const SwapManager&) = delete;
+
+  // Starts writing `bytes` (> 0) from `data` to the extent of `id`: a new id
+  // gets a new extent (kNoSpace when the capacity has no free range large
+  // enough); an id on disk is overwritten in place when its extent is large
+  // enough, else moved to a new extent. kInvalidArgument while `id` has I/O
+  // in flight.
+  void swap_out(SwapId id, const void* data, std::int64_t bytes);
+  // Starts reading the bytes of `id` into `data`; `bytes` must equal what was
+  // swapped out. The id stays on disk (swap it out again to overwrite it).
+  void swap_in(SwapId id, void* data, std::int64_t bytes);
+
+  // True when `id` has no I/O in flight (also after it failed).
+  bool poll(SwapId id);
+  // Waits for the I/O of `id` and throws its error. A failed swap-out drops
+  // the id (its extent held partial bytes); a failed swap-in leaves it on disk.
+  void wait(SwapId id);
+  // Waits for every id; throws the first error after all have finished.
+  void wait_all();
+  // Forgets `id` and frees its extent for reuse (kInvalidArgument while in flight).
+  void release(SwapId id);
+
+  bool contains(SwapId id) const;
+  SwapState state(SwapId id) const;
+  SwapExtent extent(SwapId id) const;
+  std::vector<SwapId> ids() const;
+  SwapStats stats() const;
+  const std::string& path() const { return path_; }
+  const AioEngine& engine() const;
+
+  // Waits for pending I/O (discarding its errors) and removes the swap file.
+  // Any later call but close() throws kInvalidArgument.
+  void close();
+
+ private:
+  struct Entry {
+    SwapState state;
+    BlockHandle extent;
+    std::int64_t bytes;
+    IoHandle io;  // valid while kWriting or kReading
+  };
+
+  Entry& find(SwapId id);
+  const Entry& find(SwapId id) const;
+  void check_open() const;
+  BlockHandle allocate_extent(SwapId id, std::uint64_t bytes);
+  void finish(SwapId id, Entry& entry);  // after the I/O of entry completed
+  void wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock);
+
+  const SwapConfig config_;
+  std::string path_;
+  std::unique_ptr<AioEngine> engine_;
+  ContiguousAllocator extents_;
+
+  mutable std::mutex mutex_;
+  std::unordered_map<SwapId, Entry> entries_;
+  bool closed_ = false;
+  std::uint64_t bytes_out_ = 0;
+  std::uint64_t bytes_in_ = 0;
+};
+
+}  // namespace zcore

@@ -1,0 +1,311 @@
+#include "zcore/swap_manager.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "zcore/status.h"
+
+namespace zcore {
+namespace {
+
+std::int64_t round_up(std::int64_t v) { return (v + kIoAlignment - 1) / kIoAlignment * kIoAlignment; }
+
+Error directory_error(const std::string& what, const std::string& path, int err) {
+  return Error(StatusCode::kIoError,
+               "swap directory unusable: " + what + " " + path + ": " + std::strerror(err) +
+                   " (errno " + std::to_string(err) +
+                   "); give a directory this process can write to",
+               {{"path", path}, {"errno", std::int64_t{err}}});
+}
+
+// Checks the directory and the free space, then creates the (empty) swap
+// file; returns its path. Runs before any training step, so a bad directory
+// is reported at start-up rather than at the first swap.
+std::string create_swap_file(const SwapConfig& c) {
+  if (c.directory.empty() || c.capacity <= 0 || c.rank < 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "a swap manager needs a directory, capacity > 0 and rank >= 0; got directory='" +
+                    c.directory + "', capacity=" + std::to_string(c.capacity) +
+                    ", rank=" + std::to_string(c.rank),
+                {{"path", c.directory}, {"capacity", c.capacity}});
+  }
+  struct stat st {};
+  if (::stat(c.directory.c_str(), &st) != 0) throw directory_error("cannot access", c.directory, errno);
+  if (!S_ISDIR(st.st_mode)) throw directory_error("not a directory:", c.directory, ENOTDIR);
+
+  const std::string path = c.directory + "/zcore-swap-rank" + std::to_string(c.rank) + "-pid" +
+                           std::to_string(::getpid()) + ".swp";
+  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd < 0) throw directory_error("cannot create the swap file", path, errno);
+  ::close(fd);
+
+  struct statvfs fs {};
+  if (::statvfs(c.directory.c_str(), &fs) != 0) {
+    const int err = errno;
+    ::unlink(path.c_str());
+    throw directory_error("cannot query free space of", c.directory, err);
+  }
+  const auto available = static_cast<std::int64_t>(fs.f_bavail * fs.f_frsize);
+  if (available < c.capacity) {
+    ::unlink(path.c_str());
+    throw Error(StatusCode::kNoSpace,
+                "swap directory " + c.directory + " has " + std::to_string(available) +
+                    " bytes free but rank " + std::to_string(c.rank) + " plans to swap " +
+                    std::to_string(c.capacity) +
+                    " bytes; free space there, choose another directory or swap less",
+                {{"path", c.directory}, {"required", c.capacity}, {"available", available}});
+  }
+  return path;
+}
+
+AioConfig engine_config(const SwapConfig& c) {
+  AioConfig io = c.io;
+  io.probe_directory = c.directory;
+  return io;
+}
+
+}  // namespace
+
+const char* swap_state_name(SwapState state) {
+  switch (state) {
+    case SwapState::kWriting: return "writing";
+    case SwapState::kOnDisk: return "on_disk";
+    case SwapState::kReading: return "reading";
+  }
+  return "unknown";
+}
+
+SwapManager::SwapManager(const SwapConfig& config)
+    : config_(config),
+      path_(create_swap_file(config)),
+      extents_(round_up(config.capacity)) {
+  try {
+    engine_ = AioEngine::create(engine_config(config));
+  } catch (...) {
+    ::unlink(path_.c_str());
+    throw;
+  }
+}
+
+SwapManager::~SwapManager() { close(); }
+
+const AioEngine& SwapManager::engine() const {
+  check_open();
+  return *engine_;
+}
+
+void SwapManager::check_open() const {
+  if (closed_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "the swap manager of " + path_ + " was closed; create a new one",
+                {{"path", path_}});
+  }
+}
+
+SwapManager::Entry& SwapManager::find(SwapId id) {
+  return const_cast<Entry&>(static_cast<const SwapManager*>(this)->find(id));
+}
+
+const SwapManager::Entry& SwapManager::find(SwapId id) const {
+  check_open();
+  const auto it = entries_.find(id);
+  if (it == entries_.end()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap id " + std::to_string(id) + " is not swapped out; swap it out first",
+                {{"id", id}});
+  }
+  return it->second;
+}
+
+void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  if (bytes <= 0 || data == nullptr) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap_out needs a buffer and bytes > 0, got bytes=" + std::to_string(bytes),
+                {{"id", id}, {"bytes", bytes}});
+  }
+  const auto it = entries_.find(id);
+  const bool existed = it != entries_.end();
+  if (existed && it->second.state != SwapState::kOnDisk) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap id " + std::to_string(id) + " has I/O in flight (" +
+                    swap_state_name(it->second.state) + "); wait(id) before swapping it out again",
+                {{"id", id}});
+  }
+  const auto extent_bytes = static_cast<std::uint64_t>(round_up(bytes));
+  BlockHandle extent = existed ? it->second.extent : 0;
+  BlockHandle outgrown = 0;  // freed once the new extent is written to
+  if (existed && extents_.size(extent) < extent_bytes) {
+    outgrown = extent;
+    extent = 0;
+  }
+  const bool fresh = extent == 0;
+  if (fresh) extent = allocate_extent(id, extent_bytes);
+  const auto offset = static_cast<std::int64_t>(extents_.offset(extent));
+  IoHandle io;
+  try {
+    io = engine_->submit({IoOp::kWrite, const_cast<void*>(data), bytes, path_, offset});
+  } catch (...) {
+    if (fresh) extents_.free(extent);
+    throw;
+  }
+  if (outgrown != 0) extents_.free(outgrown);
+  entries_[id] = Entry{SwapState::kWriting, extent, bytes, io};
+}
+
+BlockHandle SwapManager::allocate_extent(SwapId id, std::uint64_t bytes) {
+  try {
+    return extents_.allocate(static_cast<std::int64_t>(bytes), kIoAlignment);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfArena) throw;
+    const AllocatorStats s = extents_.stats();
+    throw Error(StatusCode::kNoSpace,
+                "swap space of rank " + std::to_string(config_.rank) + " is full: id " +
+                    std::to_string(id) + " needs " + std::to_string(bytes) +
+                    " bytes, the largest free extent of the " + std::to_string(s.capacity) +
+                    "-byte swap file is " + std::to_string(s.largest_free) +
+                    " bytes; raise the swap capacity or release ids",
+                {{"id", id},
+                 {"requested", static_cast<std::int64_t>(bytes)},
+                 {"available", static_cast<std::int64_t>(s.largest_free)},
+                 {"capacity", static_cast<std::int64_t>(s.capacity)},
+                 {"path", path_}});
+  }
+}
+
+void SwapManager::swap_in(SwapId id, void* data, std::int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry& e = find(id);
+  if (e.state != SwapState::kOnDisk) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap id " + std::to_string(id) + " has I/O in flight (" +
+                    swap_state_name(e.state) + "); wait(id) before swapping it in",
+                {{"id", id}});
+  }
+  if (data == nullptr || bytes != e.bytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap_in of id " + std::to_string(id) + " needs a buffer of the " +
+                    std::to_string(e.bytes) + " bytes swapped out, got " + std::to_string(bytes),
+                {{"id", id}, {"bytes", bytes}, {"expected", e.bytes}});
+  }
+  const auto offset = static_cast<std::int64_t>(extents_.offset(e.extent));
+  e.io = engine_->submit({IoOp::kRead, data, bytes, path_, offset});
+  e.state = SwapState::kReading;
+}
+
+bool SwapManager::poll(SwapId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Entry& e = find(id);
+  return e.state == SwapState::kOnDisk || engine_->poll(e.io);
+}
+
+void SwapManager::wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock) {
+  const Entry& before = find(id);
+  if (before.state == SwapState::kOnDisk) return;
+  const IoHandle io = before.io;
+  const SwapState state = before.state;
+  std::unique_ptr<Error> error;
+  lock.unlock();
+  try {
+    engine_->wait(io);
+  } catch (const Error& e) {
+    error = std::make_unique<Error>(e);
+  }
+  lock.lock();
+  // The entry cannot have gone: release() and swap_out() refuse ids in flight.
+  Entry& e = entries_.at(id);
+  if (error && state == SwapState::kWriting) {
+    extents_.free(e.extent);
+    entries_.erase(id);
+  } else {
+    e.state = SwapState::kOnDisk;
+  }
+  if (error) throw *error;
+  (state == SwapState::kWriting ? bytes_out_ : bytes_in_) += static_cast<std::uint64_t>(e.bytes);
+}
+
+void SwapManager::wait(SwapId id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  wait_unlocked(id, lock);
+}
+
+void SwapManager::wait_all() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_open();
+  std::vector<SwapId> busy;
+  for (const auto& [id, e] : entries_) {
+    if (e.state != SwapState::kOnDisk) busy.push_back(id);
+  }
+  std::unique_ptr<Error> first;
+  for (SwapId id : busy) {
+    try {
+      wait_unlocked(id, lock);
+    } catch (const Error& e) {
+      if (!first) first = std::make_unique<Error>(e);
+    }
+  }
+  if (first) throw *first;
+}
+
+void SwapManager::release(SwapId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Entry& e = find(id);
+  if (e.state != SwapState::kOnDisk) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap id " + std::to_string(id) + " has I/O in flight (" +
+                    swap_state_name(e.state) + "); wait(id) before releasing it",
+                {{"id", id}});
+  }
+  extents_.free(e.extent);
+  entries_.erase(id);
+}
+
+bool SwapManager::contains(SwapId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  return entries_.count(id) != 0;
+}
+
+SwapState SwapManager::state(SwapId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return find(id).state;
+}
+
+SwapExtent SwapManager::extent(SwapId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Entry& e = find(id);
+  return {extents_.offset(e.extent), static_cast<std::uint64_t>(e.bytes)};
+}
+
+std::vector<SwapId> SwapManager::ids() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  std::vector<SwapId> out;
+  for (const auto& entry : entries_) out.push_back(entry.first);
+  return out;
+}
+
+SwapStats SwapManager::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const AllocatorStats a = extents_.stats();
+  return {a.capacity, a.used, a.largest_free, entries_.size(), bytes_out_, bytes_in_};
+}
+
+void SwapManager::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return;
+  closed_ = true;
+  // The engine's destructor waits for I/O still in flight on the callers' buffers.
+  engine_.reset();
+  entries_.clear();
+  ::unlink(path_.c_str());
+}
+
+}  // namespace zcore

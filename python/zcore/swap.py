@@ -1,0 +1,253 @@
+"""Swapping tensors out to NVMe and back, by key.
+
+The native swap manager owns the swap file of this rank (one per rank under
+``directory``), the extent of each key inside it, and the asynchronous I/O;
+this module holds the tensors. Keys are integers chosen by the caller.
+
+Pipelined use (at most three tensors in host memory: the one in use, the
+next one being read, the previous one being written)::
+
+    with zcore.swap.SwapManager(directory, capacity=8 << 30) as swap:
+        for key, tensor in swap.stream(keys):   # tensors swapped out before
+            update(tensor)                      # written back after the step
+
+Swapped-in CPU tensors live in buffers of a host pool bounded by
+``host_budget`` (aligned, so their I/O takes the O_DIRECT path without
+bounce copies); CUDA tensors are staged through the same pool.
+
+The constructor refuses, before any training, a directory it cannot write
+(:class:`zcore.DiskIOError`) or one whose filesystem has less than
+``capacity`` bytes free (:class:`zcore.DiskFullError`). ``close()`` (or
+leaving the ``with`` block) removes the swap file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zcore import _C
+from zcore._staging import (
+    BackendName,
+    Staging,
+    as_bytes,
+    backend_name,
+    check_tensor,
+    io_config,
+    make_pool,
+    nbytes,
+)
+from zcore.errors import InvalidArgumentError
+from zcore.host_memory import LockMode
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a key's bytes are, to rebuild its tensor on swap-in."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class _InFlight:
+    """References the native I/O of a key is using, released by wait()."""
+
+    tensor: torch.Tensor
+    staging: Staging | None
+    finish: Callable[[], None] | None
+
+
+def _default_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class SwapManager:
+    """Swap space of ``capacity`` bytes for this rank under ``directory``."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        *,
+        rank: int | None = None,
+        host_budget: int = 1 << 30,
+        block_size: int = 1 << 20,
+        queue_depth: int = 32,
+        threads: int = 1,
+        backend: BackendName = "auto",
+        lock: LockMode = "try",
+    ) -> None:
+        config = _C.SwapConfig()
+        config.directory = os.fspath(directory)
+        config.rank = _default_rank() if rank is None else rank
+        config.capacity = capacity
+        config.io = io_config(
+            block_size=block_size, queue_depth=queue_depth, threads=threads, backend=backend
+        )
+        self._pool = make_pool(host_budget, lock)
+        self._native = _C.SwapManager(config)
+        self._layouts: dict[int, _Layout] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+
+    @property
+    def path(self) -> str:
+        """The swap file of this rank."""
+        return self._native.path
+
+    @property
+    def backend(self) -> str:
+        return backend_name(self._native.backend)
+
+    def stats(self) -> _C.SwapStats:
+        return self._native.stats()
+
+    def __contains__(self, key: int) -> bool:
+        return self._native.contains(key)
+
+    def state(self, key: int) -> _C.SwapState:
+        return self._native.state(key)
+
+    def swap_out(self, key: int, tensor: torch.Tensor) -> None:
+        """Starts writing ``tensor`` to the swap space of ``key``.
+
+        A CPU tensor is written in place: leave it untouched until
+        ``wait(key)``. A CUDA tensor is copied to a staging buffer first.
+        """
+        check_tensor(tensor, "swap_out")
+        size = nbytes(tensor)
+        staging = None
+        address = tensor.data_ptr()
+        if tensor.device.type == "cuda":
+            staging = Staging(self._pool, size)
+            staging.bytes.copy_(as_bytes(tensor))
+            address = staging.address
+        self._native.swap_out(key, address, size)
+        self._layouts[key] = _Layout(tensor.shape, tensor.dtype, tensor.device)
+        self._in_flight[key] = _InFlight(tensor, staging, None)
+
+    def swap_in(self, key: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Starts reading ``key`` back; returns the tensor being filled.
+
+        The tensor is valid after ``wait(key)``. Without ``out``, it is made on
+        the device the key was swapped out from (on the host, in a pool buffer).
+        """
+        layout = self._layouts.get(key)
+        if layout is None:
+            raise InvalidArgumentError(f"key {key} is not swapped out; swap it out first", key=key)
+        if out is None:
+            out = self._new_tensor(layout)
+        check_tensor(out, "swap_in")
+        if out.shape != layout.shape or out.dtype != layout.dtype:
+            raise InvalidArgumentError(
+                f"swap_in of key {key} needs shape={tuple(layout.shape)}, dtype={layout.dtype}; "
+                f"got shape={tuple(out.shape)}, dtype={out.dtype}",
+                key=key,
+            )
+        size = nbytes(out)
+        if out.device.type != "cuda":
+            self._native.swap_in(key, out.data_ptr(), size)
+            self._in_flight[key] = _InFlight(out, None, None)
+            return out
+        staging = Staging(self._pool, size)
+        self._native.swap_in(key, staging.address, size)
+        target = out
+
+        def to_device() -> None:
+            as_bytes(target).copy_(staging.bytes)
+
+        self._in_flight[key] = _InFlight(out, staging, to_device)
+        return out
+
+    def poll(self, key: int) -> bool:
+        """True when ``key`` has no I/O in flight."""
+        return self._native.poll(key)
+
+    def wait(self, key: int) -> None:
+        """Waits for the I/O of ``key`` (GIL released) and raises its error.
+
+        A failed swap-out forgets the key (what was on disk before is lost);
+        other keys are unaffected.
+        """
+        flight = self._in_flight.pop(key, None)
+        try:
+            self._native.wait(key)
+            if flight is not None and flight.finish is not None:
+                flight.finish()
+        finally:
+            if key not in self:
+                self._layouts.pop(key, None)
+
+    def wait_all(self) -> None:
+        """Waits for every key; raises the first failure after all finished."""
+        first: BaseException | None = None
+        for key in sorted(self._in_flight):
+            try:
+                self.wait(key)
+            except Exception as exc:  # noqa: BLE001 - re-raised below once all are done
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def release(self, key: int) -> None:
+        """Forgets ``key`` and frees its swap space for reuse."""
+        self._native.release(key)
+        self._layouts.pop(key, None)
+
+    def stream(self, keys: Iterable[int], *, write_back: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yields ``(key, tensor)`` for each key in order, swapped in.
+
+        The next key is read while the caller uses the current one; with
+        ``write_back`` each tensor is swapped out again once the caller moves
+        on, and the write of the one before is waited for then, so at most
+        three tensors are in host memory.
+        """
+        order = list(keys)
+        if not order:
+            return
+        incoming = {order[0]: self.swap_in(order[0])}
+        try:
+            for i, key in enumerate(order):
+                if i + 1 < len(order):
+                    incoming[order[i + 1]] = self.swap_in(order[i + 1])
+                self.wait(key)
+                tensor = incoming.pop(key)
+                yield key, tensor
+                if write_back:
+                    self.swap_out(key, tensor)
+                    if i > 0:
+                        self.wait(order[i - 1])
+                del tensor
+        finally:
+            self.wait_all()
+
+    def close(self) -> None:
+        """Waits for pending I/O and removes the swap file."""
+        self._native.close()
+        self._in_flight.clear()
+        self._layouts.clear()
+
+    def __enter__(self) -> SwapManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # The native close waits for I/O still using the referenced tensors.
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.close()
+
+    def _new_tensor(self, layout: _Layout) -> torch.Tensor:
+        if layout.device.type == "cuda":
+            return torch.empty(layout.shape, dtype=layout.dtype, device=layout.device)
+        size = layout.shape.numel() * torch.empty((), dtype=layout.dtype).element_size()
+        return Staging(self._pool, size).typed(layout.shape, layout.dtype)

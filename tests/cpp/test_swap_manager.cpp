@@ -1,0 +1,205 @@
+// The swap manager: round trips through the swap file, its extent allocation
+// (placement, reuse of freed extents, coalescing, a full swap space), the
+// per-id state machine and the directory checks made before training.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "zcore/status.h"
+#include "zcore/swap_manager.h"
+
+namespace fs = std::filesystem;
+using zcore::Error;
+using zcore::StatusCode;
+using zcore::SwapConfig;
+using zcore::SwapManager;
+using zcore::SwapState;
+
+namespace {
+
+class SwapTest : public ::testing::Test {
+ protected:
+  SwapTest() : dir_(fs::current_path() / ("swap-test-" + std::to_string(::getpid()))) {
+    fs::create_directories(dir_);
+  }
+  ~SwapTest() override { fs::remove_all(dir_); }
+
+  SwapConfig config(std::int64_t capacity) const {
+    SwapConfig c;
+    c.directory = dir_.string();
+    c.rank = 3;
+    c.capacity = capacity;
+    c.io.block_size = 64 << 10;
+    c.io.queue_depth = 8;
+    return c;
+  }
+
+  static std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::vector<unsigned char> v(n);
+    for (auto& b : v) b = static_cast<unsigned char>(rng());
+    return v;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(SwapTest, RoundTripsSeveralIdsInFlightTogether) {
+  SwapManager swap(config(16 << 20));
+  EXPECT_NE(swap.path().find("rank3"), std::string::npos);
+  std::vector<std::vector<unsigned char>> data;
+  const std::vector<std::size_t> sizes = {1, 4095, 4096, 100000, 1 << 20, 3 << 20};
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    data.push_back(random_bytes(sizes[i], static_cast<unsigned>(i)));
+    swap.swap_out(static_cast<zcore::SwapId>(i), data[i].data(), static_cast<std::int64_t>(sizes[i]));
+  }
+  swap.wait_all();
+  std::vector<std::vector<unsigned char>> back;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(swap.state(static_cast<zcore::SwapId>(i)), SwapState::kOnDisk);
+    back.emplace_back(sizes[i]);
+    swap.swap_in(static_cast<zcore::SwapId>(i), back[i].data(), static_cast<std::int64_t>(sizes[i]));
+    EXPECT_EQ(swap.state(static_cast<zcore::SwapId>(i)), SwapState::kReading);
+  }
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    swap.wait(static_cast<zcore::SwapId>(i));
+    EXPECT_EQ(back[i], data[i]) << "id " << i;
+  }
+  EXPECT_EQ(swap.stats().bytes_swapped_in, swap.stats().bytes_swapped_out);
+}
+
+TEST_F(SwapTest, ExtentsAreAlignedDisjointAndFreedOnesAreReused) {
+  SwapManager swap(config(1 << 20));
+  std::vector<unsigned char> buf(300000, 1);
+  for (zcore::SwapId id = 0; id < 3; ++id) swap.swap_out(id, buf.data(), 100000);
+  swap.wait_all();
+  std::vector<zcore::SwapExtent> e;
+  for (zcore::SwapId id = 0; id < 3; ++id) e.push_back(swap.extent(id));
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(e[i].offset % zcore::kIoAlignment, 0u);
+    EXPECT_EQ(e[i].bytes, 100000u);
+    for (std::size_t j = i + 1; j < 3; ++j) {
+      EXPECT_TRUE(e[i].offset + 102400 <= e[j].offset || e[j].offset + 102400 <= e[i].offset);
+    }
+  }
+  EXPECT_EQ(swap.stats().used, 3u * 102400);
+
+  swap.release(1);
+  swap.swap_out(7, buf.data(), 90000);  // fits the freed extent of id 1
+  swap.wait(7);
+  EXPECT_EQ(swap.extent(7).offset, e[1].offset);
+
+  // Freed neighbours coalesce into one extent large enough for both.
+  swap.release(7);
+  swap.release(0);
+  const std::uint64_t low = std::min(e[0].offset, e[1].offset);
+  swap.swap_out(8, buf.data(), 200000);
+  swap.wait(8);
+  EXPECT_EQ(swap.extent(8).offset, low);
+}
+
+TEST_F(SwapTest, OverwritesInPlaceOrMovesWhenTheIdGrows) {
+  SwapManager swap(config(1 << 20));
+  auto a = random_bytes(50000, 1), b = random_bytes(50000, 2), c = random_bytes(200000, 3);
+  swap.swap_out(1, a.data(), 50000);
+  swap.wait(1);
+  const auto first = swap.extent(1).offset;
+  swap.swap_out(1, b.data(), 50000);
+  swap.wait(1);
+  EXPECT_EQ(swap.extent(1).offset, first);
+  swap.swap_out(2, a.data(), 50000);  // sits right after id 1
+  swap.swap_out(1, c.data(), 200000);
+  swap.wait_all();
+  EXPECT_NE(swap.extent(1).offset, first);
+  std::vector<unsigned char> back(200000);
+  swap.swap_in(1, back.data(), 200000);
+  swap.wait(1);
+  EXPECT_EQ(back, c);
+}
+
+TEST_F(SwapTest, FullSwapSpaceIsNoSpaceAndReleasingMakesRoom) {
+  SwapManager swap(config(256 << 10));
+  std::vector<unsigned char> buf(200 << 10, 5);
+  swap.swap_out(1, buf.data(), 200 << 10);
+  try {
+    swap.swap_out(2, buf.data(), 100 << 10);
+    FAIL() << "expected kNoSpace";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kNoSpace);
+  }
+  swap.wait(1);
+  swap.release(1);
+  swap.swap_out(2, buf.data(), 100 << 10);
+  swap.wait(2);
+}
+
+TEST_F(SwapTest, StateMachineRefusesOverlappingUse) {
+  SwapManager swap(config(1 << 20));
+  std::vector<unsigned char> buf(8192, 1);
+  EXPECT_THROW(swap.swap_in(9, buf.data(), 8192), Error);  // never swapped out
+  swap.swap_out(1, buf.data(), 8192);
+  EXPECT_THROW(swap.swap_out(1, buf.data(), 8192), Error);  // write in flight
+  EXPECT_THROW(swap.release(1), Error);
+  swap.wait(1);
+  EXPECT_TRUE(swap.poll(1));
+  EXPECT_THROW(swap.swap_in(1, buf.data(), 4096), Error);  // wrong size
+}
+
+TEST_F(SwapTest, CloseRemovesTheSwapFile) {
+  std::string path;
+  {
+    SwapManager swap(config(1 << 20));
+    path = swap.path();
+    std::vector<unsigned char> buf(8192, 1);
+    swap.swap_out(1, buf.data(), 8192);
+    EXPECT_TRUE(fs::exists(path));
+  }
+  EXPECT_FALSE(fs::exists(path));
+  SwapManager swap(config(1 << 20));
+  swap.close();
+  EXPECT_FALSE(fs::exists(swap.path()));
+  EXPECT_THROW(swap.ids(), Error);
+}
+
+TEST_F(SwapTest, RefusesAMissingDirectoryOrTooLittleFreeSpace) {
+  SwapConfig missing = config(1 << 20);
+  missing.directory = (dir_ / "absent").string();
+  try {
+    SwapManager swap(missing);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kIoError);
+  }
+  try {
+    SwapManager swap(config(std::int64_t{1} << 60));  // an exabyte
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kNoSpace);
+    EXPECT_NE(std::string(e.what()).find("free"), std::string::npos);
+  }
+  EXPECT_TRUE(fs::is_empty(dir_));  // nothing left behind by the refusals
+}
+
+TEST_F(SwapTest, RefusesADirectoryWithoutWritePermission) {
+  if (::geteuid() == 0) {
+    GTEST_SKIP() << "root ignores permission bits; tests/python/test_swap.py covers this "
+                    "with a read-only mount";
+  }
+  fs::permissions(dir_, fs::perms::owner_read | fs::perms::owner_exec);
+  try {
+    SwapManager swap(config(1 << 20));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kIoError);
+  }
+  fs::permissions(dir_, fs::perms::owner_all);
+}
+
+}  // namespace

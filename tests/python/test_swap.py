@@ -1,0 +1,153 @@
+"""zcore.swap: tensors out to the swap file and back byte for byte, the
+pipelined stream, reuse of swap space, and the checks made before training."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zcore
+from zcore import _C
+
+
+def make_tensors() -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        0: torch.randn(1000, generator=g),
+        1: torch.randn(33, 77, generator=g).to(torch.bfloat16),
+        2: torch.randint(-100, 100, (5,), generator=g, dtype=torch.int8),
+        3: torch.randn(1 << 18, generator=g),
+    }
+
+
+@pytest.mark.parametrize("backend", ["auto", "threadpool"])
+def test_round_trip_keeps_shape_dtype_and_bytes(tmp_path: Path, backend: str) -> None:
+    tensors = make_tensors()
+    with zcore.SwapManager(tmp_path, 16 << 20, rank=0, backend=backend, block_size=64 << 10) as swap:
+        for key, t in tensors.items():
+            swap.swap_out(key, t)
+        swap.wait_all()
+        assert all(swap.state(k) == _C.SwapState.ON_DISK for k in tensors)
+        back = {key: swap.swap_in(key) for key in tensors}
+        swap.wait_all()
+        for key, t in tensors.items():
+            assert back[key].dtype == t.dtype and back[key].shape == t.shape
+            assert torch.equal(back[key], t)
+        out = torch.empty_like(tensors[3])
+        assert swap.swap_in(3, out=out) is out
+        swap.wait(3)
+        assert torch.equal(out, tensors[3])
+
+
+def test_stream_reads_ahead_and_writes_back(tmp_path: Path) -> None:
+    originals = {k: torch.full((100_000,), float(k)) for k in range(6)}
+    with zcore.SwapManager(tmp_path, 8 << 20, rank=0, host_budget=4 << 20) as swap:
+        for key, t in originals.items():
+            swap.swap_out(key, t)
+        swap.wait_all()
+        seen = []
+        for key, tensor in swap.stream(list(originals)):
+            seen.append(key)
+            assert torch.equal(tensor, originals[key])
+            # The next key is already being read while this one is in use.
+            if key + 1 in originals:
+                assert swap.state(key + 1) in (_C.SwapState.READING, _C.SwapState.ON_DISK)
+            tensor += 1
+        assert seen == list(originals)
+        for key, tensor in swap.stream(list(originals), write_back=False):
+            assert torch.equal(tensor, originals[key] + 1)
+        # At most three tensors (400 KB each) were in host memory at once.
+        assert swap._pool.stats().held <= 3 * 4096 * 98
+
+
+def test_released_space_is_reused(tmp_path: Path) -> None:
+    with zcore.SwapManager(tmp_path, 1 << 20, rank=0) as swap:
+        a = torch.ones(100_000, dtype=torch.uint8)
+        swap.swap_out(1, a)
+        swap.swap_out(2, a)
+        swap.wait_all()
+        used = swap.stats().used
+        with pytest.raises(zcore.DiskFullError):
+            swap.swap_out(3, torch.ones(1 << 20, dtype=torch.uint8))
+        swap.release(1)
+        assert swap.stats().used < used
+        swap.swap_out(3, a)
+        swap.wait(3)
+        assert 1 not in swap and 3 in swap
+        back = swap.swap_in(2)
+        swap.wait(2)
+        assert torch.equal(back, a)
+
+
+def test_close_removes_the_swap_file(tmp_path: Path) -> None:
+    swap = zcore.SwapManager(tmp_path, 1 << 20, rank=5)
+    assert Path(swap.path).exists() and "rank5" in swap.path
+    swap.swap_out(0, torch.ones(10))
+    swap.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(zcore.DiskIOError) as info:
+        zcore.SwapManager(tmp_path / "absent", 1 << 20)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_refuses_a_filesystem_without_room_for_the_plan(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(zcore.DiskFullError) as info:
+        zcore.SwapManager(tmp_path, free + (1 << 40))
+    assert info.value.required == free + (1 << 40)
+    assert info.value.available <= free + (1 << 30)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_an_unwritable_directory(unwritable_dir: Path) -> None:
+    with pytest.raises(zcore.DiskIOError) as info:
+        zcore.SwapManager(unwritable_dir, 1 << 10)
+    assert info.value.errno in (errno.EACCES, errno.EROFS)
+
+
+def test_disk_filling_up_fails_that_swap_only(small_fs: Path) -> None:
+    with zcore.SwapManager(small_fs, 1 << 20, rank=0) as swap:
+        kept = torch.arange(100_000, dtype=torch.int32)
+        swap.swap_out(0, kept)
+        swap.wait(0)
+        (small_fs / "filler").write_bytes(b"\0" * ((2 << 20) - (400 << 10)))
+        swap.swap_out(1, torch.ones(500_000, dtype=torch.uint8))
+        with pytest.raises(zcore.DiskFullError) as info:
+            swap.wait(1)
+        assert info.value.errno == errno.ENOSPC
+        assert 1 not in swap
+        back = swap.swap_in(0)
+        swap.wait(0)
+        assert torch.equal(back, kept)
+
+
+def test_host_budget_is_enforced(tmp_path: Path) -> None:
+    with zcore.SwapManager(tmp_path, 8 << 20, rank=0, host_budget=1 << 20) as swap:
+        swap.swap_out(0, torch.ones(1 << 20, dtype=torch.uint8))
+        swap.swap_out(1, torch.ones(1 << 19, dtype=torch.uint8))
+        swap.wait_all()
+        held = swap.swap_in(1)
+        with pytest.raises(zcore.HostMemoryBudgetError):
+            swap.swap_in(0)
+        swap.wait(1)
+        assert held.sum().item() == 1 << 19
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_swap_through_staging(tmp_path: Path) -> None:
+    if not zcore.cuda_available():
+        pytest.skip(f"no usable GPU: {zcore.cuda_unavailable_reason()}")
+    with zcore.SwapManager(tmp_path, 64 << 20, rank=0) as swap:
+        t = torch.randn(3, 1_000_001, device="cuda")
+        swap.swap_out(7, t)
+        swap.wait(7)
+        back = swap.swap_in(7)
+        swap.wait(7)
+        assert back.device == t.device and torch.equal(back, t)
