@@ -20,6 +20,7 @@ from zcore.errors import (
     OutOfArenaError,
     ZcoreError,
 )
+from zcore.gathered_parameters import GatheredParameters, register_external_parameter
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
@@ -34,6 +35,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "Engine",
+    "GatheredParameters",
     "HostMemory",
     "HostMemoryBudgetError",
     "InvalidArgumentError",
@@ -46,4 +48,5 @@ __all__ = [
     "cuda_available",
     "cuda_unavailable_reason",
     "initialize",
+    "register_external_parameter",
 ]

@@ -72,9 +72,11 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {
         "losses": losses,
-        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "params": params,
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "memory": engine.memory_report(),
