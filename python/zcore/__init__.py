@@ -23,6 +23,7 @@ from zcore.errors import (
 from zcore.gathered_parameters import GatheredParameters, register_external_parameter
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
+from zcore.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidHandleError",
     "InvalidStateError",
+    "MetaInit",
     "NativeOSError",
     "OutOfArenaError",
     "ZcoreError",

@@ -21,6 +21,7 @@ from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
 from zcore.errors import ConfigError
 from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
 from zcore.lr_schedules import SCHEDULES
+from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
 from zcore.partition import FlatUnit, Unit, pack_units
@@ -48,6 +49,7 @@ def initialize(
     training_data: Optional[torch.utils.data.Dataset] = None,
     lr_scheduler: Any = None,
     collate_fn: Optional[Callable] = None,
+    meta_init: Optional[MetaInit] = None,
 ) -> tuple[Engine, ShardedOptimizer, Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -56,7 +58,9 @@ def initialize(
     unless configured or passed. ``optimizer`` may be None (built from the
     config's ``optimizer`` section), a torch optimizer over the model's
     parameters (zcore re-points it at the master shards), or a callable that
-    receives parameter groups and returns an optimizer.
+    receives parameter groups and returns an optimizer. A model built on
+    the meta device (stage 3 only) is materialised straight into shards, as
+    ``meta_init`` says (default: each module's reset_parameters()).
     """
     cfg = load_config(config)
     context = comm.init_distributed()
@@ -64,9 +68,16 @@ def initialize(
     precision = precision_from_config(cfg)
 
     stage3 = cfg.zero_optimization.stage == 3
+    on_meta = is_meta(model)
+    if on_meta and not stage3:
+        raise ConfigError(
+            f"the model is on the meta device, which only ZeRO stage 3 can materialise (shard by "
+            f"shard); set zero_optimization.stage to 3 (it is {cfg.zero_optimization.stage}) or "
+            "build the model on a real device"
+        )
     if stage3:
         groups = collect_param_groups(model, optimizer, model_parameters)
-        sharded_groups, hooked = _shard(model, context)
+        sharded_groups, hooked = _shard(model, context, (meta_init or MetaInit()) if on_meta else None)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
         layouts: list = sharded_groups
     else:
@@ -122,23 +133,29 @@ def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedCont
 
 
 def _shard(
-    model: torch.nn.Module, context: comm.DistributedContext
+    model: torch.nn.Module, context: comm.DistributedContext, meta_init: Optional[MetaInit]
 ) -> tuple[list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
     """Stage 3: every module's parameters into sharded groups, one module at
-    a time, starting from rank 0's values; buffers go to the device whole."""
+    a time, starting from rank 0's values (or materialised from the meta
+    device, identically on every rank); buffers go to the device whole."""
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             setattr(module, name, buf.to(context.device))
     if context.world_size > 1:
         with torch.no_grad():
             comm.broadcast_from_rank0([b for b in model.buffers()])
+    materialise = None
+    if meta_init is not None:
+        materialise = functools.partial(meta_init.materialise, device=context.device)
     return build_groups(
         plan_groups(model),
         context.world_size,
         context.rank,
         context.device,
-        synchronise=context.world_size > 1,
+        synchronise=context.world_size > 1 and meta_init is None,
+        materialise=materialise,
     )
+
 
 
 def _write_master(master: MasterShards, units: list[Unit], group: ShardedGroup) -> None:

@@ -19,6 +19,7 @@ and frozen ones take no gradient or optimizer memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -130,13 +131,18 @@ def build_groups(
     shard_index: int,
     device: torch.device,
     synchronise: bool,
+    materialise: Optional[Callable[[str, torch.nn.Module, list[torch.nn.Parameter]], None]] = None,
 ) -> tuple[list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
     """The groups, each keeping this rank's shard of its parameters' current
     values (rank 0's when ``synchronise``), and per module with parameters
-    the ids of the groups it needs. Full values are dropped group by group."""
+    the ids of the groups it needs. Full values are dropped group by group;
+    ``materialise(name, module, owned)`` first gives a meta module's owned
+    parameters their values (zcore.meta_init)."""
     groups: list[ShardedGroup] = []
     group_of: dict[int, int] = {}
-    for _, _, kinds in plan.owned:
+    for name, module, kinds in plan.owned:
+        if materialise is not None:
+            materialise(name, module, [p for params in kinds for p in params])
         for params in kinds:
             group = ShardedGroup(len(groups), params, num_shards, shard_index, device)
             with torch.no_grad():
