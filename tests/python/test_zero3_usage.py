@@ -1,5 +1,9 @@
-"""ZeRO-3 beyond the training loop: generation, GatheredParameters, and the
-saved-tensor hooks that keep backward reading the right bytes."""
+"""ZeRO-3 beyond the training loop: generation on ranks that finish at
+different lengths, GatheredParameters, construction on the meta device, the
+saved-tensor hooks that keep backward reading the right bytes, departures
+from the trace, and a forward that fails."""
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -179,3 +183,49 @@ def test_a_meta_model_is_built_shard_by_shard():
         assert torch.allclose(got["logits"], expected, rtol=1e-5, atol=1e-6)
         # Never whole: at most one module's parameters had full values at a time.
         assert got["peak"] < got["total"] // 4
+
+
+class Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def departures_and_failures(rank, world):
+    messages = Messages()
+    logger = logging.getLogger("zcore")
+    logger.addHandler(messages)
+    logger.setLevel(logging.INFO)
+    engine, *_ = zcore.initialize(model=make_model("mix"), config=stage3_config())
+    x = torch.randn(4, 16)
+
+    def train_step(branch):
+        engine.backward(engine(x, use_branch=branch).square().mean())
+        engine.step()
+
+    for step in range(6):  # the branch alternates: every step after the first departs
+        train_step(branch=step % 2 == 0)
+    try:
+        engine(torch.randn(4, 3))  # fails inside the first layer, its group gathered
+    except RuntimeError:
+        failed = True
+    stats = engine.gather_stats()
+    after_failure = (failed, stats.gathered_bytes, engine.residency.coordinator.in_step)
+    train_step(branch=True)
+    return {
+        "notices": [m for m in messages.messages if "left its recorded module order" in m],
+        "departures": stats.trace_departures,
+        "after_failure": after_failure,
+        "aborted": engine.residency.coordinator.stats().aborted_steps,
+        "gathered_at_end": engine.gather_stats().gathered_bytes,
+    }
+
+
+def test_departures_are_logged_once_and_a_failed_forward_releases_everything():
+    got = run_ranks(departures_and_failures, 1, launcher=False)[0]
+    assert got["departures"] >= 4 and len(got["notices"]) == 1
+    assert got["after_failure"] == (True, 0, False) and got["aborted"] == 1
+    assert got["gathered_at_end"] == 0
