@@ -25,8 +25,10 @@ from zcore.errors import (
     ShortReadError,
     ZcoreError,
 )
+from zcore.gathered_parameters import GatheredParameters, register_external_parameter
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
+from zcore.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
 from zcore.swap import SwapManager
 
@@ -44,12 +46,14 @@ __all__ = [
     "DiskIOError",
     "Engine",
     "FileTooSmallError",
+    "GatheredParameters",
     "HostMemory",
     "HostMemoryBudgetError",
     "InvalidArgumentError",
     "InvalidHandleError",
     "InvalidStateError",
     "IoHandle",
+    "MetaInit",
     "NativeOSError",
     "OutOfArenaError",
     "ShortReadError",
@@ -59,4 +63,5 @@ __all__ = [
     "cuda_available",
     "cuda_unavailable_reason",
     "initialize",
+    "register_external_parameter",
 ]

@@ -107,6 +107,14 @@ class Arena:
         raw = self._storage[offset : offset + block.nbytes]
         return raw.view(block.dtype).view(block.shape)
 
+    def offset(self, block: Block) -> int:
+        """The block's current byte offset in the arena (changes on compaction)."""
+        return self._native.offset(block.handle)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views this arena's bytes."""
+        return t.untyped_storage().data_ptr() == self._storage.untyped_storage().data_ptr()
+
     def defragment(self) -> list[_C.Move]:
         """Compact live blocks towards the start; returns the moves made."""
         return self._native.defragment()

@@ -129,7 +129,7 @@ class OffloadOptimizerConfig(_Section):
 
 
 class ZeroConfig(_Section):
-    stage: Literal[0, 1, 2] = 0
+    stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
     overlap_comm: bool = True
@@ -137,6 +137,11 @@ class ZeroConfig(_Section):
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    # Stage 3, in parameter elements (DeepSpeed's names and defaults).
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
 
     @field_validator("offload_optimizer", mode="before")
     @classmethod

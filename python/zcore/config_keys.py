@@ -12,16 +12,9 @@ from typing import Any
 _ANY = object()
 
 UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
-    "zero_optimization.stage3_prefetch_bucket_size": (_ANY, "ZeRO stage 3 is not available yet"),
-    "zero_optimization.stage3_max_live_parameters": (_ANY, "ZeRO stage 3 is not available yet"),
-    "zero_optimization.stage3_max_reuse_distance": (_ANY, "ZeRO stage 3 is not available yet"),
-    "zero_optimization.stage3_param_persistence_threshold": (
-        _ANY,
-        "ZeRO stage 3 is not available yet",
-    ),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         _ANY,
-        "ZeRO stage 3 is not available yet",
+        "saving comes with zcore's sharded checkpoints",
     ),
     "zero_optimization.offload_param": (_ANY, "parameter offload comes with ZeRO stage 3"),
     "zero_optimization.sub_group_size": (_ANY, "optimizer sub-groups come with NVMe offload"),

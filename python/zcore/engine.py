@@ -10,16 +10,57 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from zcore.comm import DistributedContext
 from zcore.config import Config
+from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
 from zcore.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("zcore")
+
+
+class ParamResidency(Protocol):
+    """Where parameters live between uses: ``ResidentParams`` (stages 0-2)
+    or zcore.param_fetcher.ParamFetcher (stage 3, gathered on demand)."""
+
+    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any: ...
+
+    def end_step(self) -> None:
+        """After backward."""
+
+    def abort(self) -> None:
+        """After an exception in forward or backward."""
+
+    def stats(self) -> Any: ...
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """What holds parameters between uses (for the memory report)."""
+
+
+class ResidentParams:
+    """Stages 0-2: every rank holds whole parameters; nothing to do."""
+
+    def __init__(self, units: list[FlatUnit]) -> None:
+        self.units = units
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        return [u.flat for u in self.units]
+
+    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        return module(*args, **kwargs)
+
+    def end_step(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+    def stats(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -38,9 +79,11 @@ class Engine:
         config: Config,
         context: DistributedContext,
         batch: BatchSizes,
+        residency: ParamResidency,
         hook_handles: list,
     ) -> None:
         self.module = module
+        self.residency = residency
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.config = config
@@ -55,7 +98,7 @@ class Engine:
 
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.residency.forward(self.module, args, kwargs)
 
     forward = __call__
 
@@ -81,7 +124,12 @@ class Engine:
         reducer = self.optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
         factor = self.optimizer.loss_scale / self.batch.gradient_accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward()
+        try:
+            (loss * factor if factor != 1.0 else loss).backward()
+        except BaseException:
+            self.residency.abort()
+            raise
+        self.residency.end_step()
         reducer.end_backward()
         return loss
 
@@ -138,7 +186,18 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.batch.gradient_accumulation_steps
 
+    def gather_stats(self) -> Any:
+        """Stage 3: zcore.param_fetcher.GatherStats (gathers, prefetch hits and
+        misses, peak live elements, arena fallbacks, ...); None otherwise."""
+        return self.residency.stats()
+
     def memory_report(self) -> MemoryReport:
         """Bytes per rank held for parameters, gradients, optimizer states and
         buffers: measured, beside what the stage's layout predicts."""
-        return measure_memory(self.module, self.optimizer, self.zero_stage, self.context.world_size)
+        return measure_memory(
+            self.module,
+            self.optimizer,
+            self.zero_stage,
+            self.context.world_size,
+            self.residency.stored_tensors(),
+        )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from zcore import comm
-from zcore.partition import FlatUnit
+from zcore.partition import Unit
 
 # Stage 2 keeps at most this many reduce-scatters in flight before retiring
 # the oldest, which bounds the transient unit-sized buffers.
@@ -34,7 +34,7 @@ class _UnitTracker:
     """Which parameters of each unit have delivered a gradient this micro-step,
     and the fixed launch order."""
 
-    def __init__(self, units: list[FlatUnit]) -> None:
+    def __init__(self, units: list[Unit]) -> None:
         self.units = units
         self.missing = [len(u.params) for u in units]
         self.arrived = [[False] * len(u.params) for u in units]
@@ -69,7 +69,7 @@ class _UnitTracker:
 class GradientReducer:
     """Shared parts: hooks in, fp32 gradient shards and used-parameter flags out."""
 
-    def __init__(self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype) -> None:
+    def __init__(self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype) -> None:
         self.units = units
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype
@@ -147,13 +147,13 @@ class AccumulateThenReduce(GradientReducer):
     """Stages 0 (``sharded=False``: all-reduce) and 1 (reduce-scatter)."""
 
     def __init__(
-        self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype, sharded: bool
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, sharded: bool
     ) -> None:
         super().__init__(units, world_size, reduce_dtype)
         self.sharded = sharded
-        self.acc = [torch.zeros(u.padded_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+        self.acc = [torch.zeros(u.padded_numel, dtype=torch.float32, device=u.device) for u in units]
         self.shards = (
-            [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+            [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for u in units]
             if sharded
             else self.acc
         )
@@ -199,11 +199,13 @@ class AccumulateThenReduce(GradientReducer):
 
 
 class ReduceScatterEveryMicroStep(GradientReducer):
-    """Stage 2."""
+    """Stages 2 and 3."""
 
-    def __init__(self, units: list[FlatUnit], world_size: int, reduce_dtype: torch.dtype) -> None:
+    sharded = True  # each rank holds only its shard of the gradients
+
+    def __init__(self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype) -> None:
         super().__init__(units, world_size, reduce_dtype)
-        self.shards = [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.flat.device) for u in units]
+        self.shards = [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for u in units]
         self.buckets: list[torch.Tensor | None] = [None] * len(units)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
 
@@ -211,7 +213,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         bucket = self.buckets[unit]
         if bucket is None:
             u = self.units[unit]
-            bucket = torch.zeros(u.padded_numel, dtype=self.reduce_dtype, device=u.flat.device)
+            bucket = torch.zeros(u.padded_numel, dtype=self.reduce_dtype, device=u.device)
             self.buckets[unit] = bucket
         return bucket
 

@@ -1,18 +1,107 @@
-"""All of zcore's autograd integration for ZeRO stages 0-2: one
-post-accumulate-grad hook per trained parameter, delegating to the reducer."""
+"""All of zcore's autograd and module integration.
+
+Stages 0-3: one post-accumulate-grad hook per trained parameter, delegating
+to the gradient reducer.
+
+Stage 3: four module hooks per module with parameters, each delegating to
+the ParamFetcher that owns the state:
+- forward pre-hook: enter the module (gather its groups); its tensor inputs
+  pass through ``_BackwardExit``, whose backward runs once autograd has
+  computed the gradients of those inputs, i.e. after the module's backward;
+- forward post-hook: leave the module; a multi-grad hook on its outputs
+  (mode "any": the first of their gradients) enters its backward, before
+  any of the module's backward nodes run;
+- ``_BackwardExit.backward``: leave the module's backward. A module whose
+  inputs need no gradient never gets there; the fetcher closes it at the end
+  of backward.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
+
+import torch
 
 from zcore.grad_reduction import GradientReducer
-from zcore.partition import FlatUnit
+from zcore.param_fetcher import ModuleCall, ParamFetcher
+from zcore.partition import Unit
 
 
-def register_gradient_hooks(units: list[FlatUnit], reducer: GradientReducer) -> list:
+def register_gradient_hooks(units: list[Unit], reducer: GradientReducer) -> list:
     handles = []
     for u, unit in enumerate(units):
         for i, param in enumerate(unit.params):
             hook = functools.partial(reducer.on_grad, u, i)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
+
+
+def register_module_hooks(fetcher: ParamFetcher, modules: dict[int, torch.nn.Module]) -> list:
+    """``modules[k]`` is the fetcher's hooked module k."""
+    handles = []
+    for k, module in modules.items():
+        handles.append(
+            module.register_forward_pre_hook(
+                functools.partial(_forward_pre, fetcher, k), with_kwargs=True, prepend=True
+            )
+        )
+        handles.append(
+            module.register_forward_hook(functools.partial(_forward_post, fetcher), with_kwargs=True)
+        )
+    return handles
+
+
+class _BackwardExit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fetcher: ParamFetcher, call: ModuleCall, *tensors: torch.Tensor):
+        ctx.fetcher, ctx.call = fetcher, call
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        ctx.fetcher.exit_backward(ctx.call)
+        return (None, None, *grads)
+
+
+def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict):
+    call = fetcher.enter_forward(k)
+    return _through_backward_exit(fetcher, call, args, kwargs)
+
+
+def _forward_post(fetcher: ParamFetcher, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    call = fetcher.exit_forward()
+    _enter_backward_on_first_grad(fetcher, call, output)
+
+
+def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple, kwargs: dict):
+    if not torch.is_grad_enabled():
+        return None
+    flat = list(args) + list(kwargs.values())
+    where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not where:
+        return None
+    passed = _BackwardExit.apply(fetcher, call, *(flat[i] for i in where))
+    for i, t in zip(where, passed):
+        flat[i] = t
+    return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args) :]))
+
+
+def _enter_backward_on_first_grad(fetcher: ParamFetcher, call: ModuleCall, output: Any) -> None:
+    if not torch.is_grad_enabled():
+        return
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, functools.partial(fetcher.enter_backward, call), mode="any"
+        )
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []

@@ -2,28 +2,41 @@
 
 Reads as the sequence of steps it performs: decode the config, join the
 process group, place and synchronise the model, pack trainable parameters
-into units, build fp32 master shards and the optimizer over them, pick the
+into units (stage 3: shard every module's parameters into groups gathered on
+demand), build fp32 master shards and the optimizer over them, pick the
 gradient-reduction policy of the stage, hook autograd, and wrap it all.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from zcore import comm, hooks
+from zcore import comm, gathered_parameters, hooks
 from zcore.config import Config, load_config
-from zcore.engine import BatchSizes, Engine
+from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
 from zcore.errors import ConfigError
 from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
 from zcore.lr_schedules import SCHEDULES
+from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
-from zcore.partition import FlatUnit, pack_units
+from zcore.param_fetcher import ParamFetcher, coordinator_config
+from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.optim import CPUAdam
-from zcore.sharded_optimizer import FusedCpuUpdate, MasterShards, ShardedOptimizer, TorchUpdate
+from zcore.sharded_group import ShardedGroup, build_groups, plan_groups
+from zcore.sharded_optimizer import (
+    FusedCpuUpdate,
+    GatherUnits,
+    KeepUnits,
+    MasterShards,
+    Publisher,
+    ShardedOptimizer,
+    TorchUpdate,
+)
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
 
@@ -36,6 +49,7 @@ def initialize(
     training_data: Optional[torch.utils.data.Dataset] = None,
     lr_scheduler: Any = None,
     collate_fn: Optional[Callable] = None,
+    meta_init: Optional[MetaInit] = None,
 ) -> tuple[Engine, ShardedOptimizer, Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -44,22 +58,55 @@ def initialize(
     unless configured or passed. ``optimizer`` may be None (built from the
     config's ``optimizer`` section), a torch optimizer over the model's
     parameters (zcore re-points it at the master shards), or a callable that
-    receives parameter groups and returns an optimizer.
+    receives parameter groups and returns an optimizer. A model built on
+    the meta device (stage 3 only) is materialised straight into shards, as
+    ``meta_init`` says (default: each module's reset_parameters()).
     """
     cfg = load_config(config)
     context = comm.init_distributed()
     batch = BatchSizes(*cfg.batch_sizes(context.world_size))
     precision = precision_from_config(cfg)
 
-    _place_and_synchronise(model, context)
-    groups = collect_param_groups(model, optimizer, model_parameters)
-    units = _pack(groups, cfg, context)
+    stage3 = cfg.zero_optimization.stage == 3
+    on_meta = is_meta(model)
+    if on_meta and not stage3:
+        raise ConfigError(
+            f"the model is on the meta device, which only ZeRO stage 3 can materialise (shard by "
+            f"shard); set zero_optimization.stage to 3 (it is {cfg.zero_optimization.stage}) or "
+            "build the model on a real device"
+        )
+    if stage3:
+        groups = collect_param_groups(model, optimizer, model_parameters)
+        sharded_groups, hooked = _shard(model, context, (meta_init or MetaInit()) if on_meta else None)
+        units: list[Unit] = [g for g in sharded_groups if g.trainable]
+        layouts: list = sharded_groups
+    else:
+        _place_and_synchronise(model, context)
+        groups = collect_param_groups(model, optimizer, model_parameters)
+        units = layouts = _pack(groups, cfg, context)
     master = MasterShards(units, _master_device(cfg, context))
-    _cast_model(model, units, precision)
+    _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, groups, master.piece_of())
     reducer = _reducer(cfg, units, context, precision)
     handles = hooks.register_gradient_hooks(units, reducer)
+    residency: ParamResidency
+    publisher: Publisher
+    if stage3:
+        fetcher = ParamFetcher(
+            sharded_groups, hooked, coordinator_config(cfg.zero_optimization), context.world_size
+        )
+        fetcher.set_master_writer(functools.partial(_write_master, master, units))
+        handles += hooks.register_module_hooks(fetcher, dict(enumerate(m for m, _ in hooked)))
+        gathered_parameters.track(fetcher)
+        for module in model.modules():
+            for param in gathered_parameters.pending_external(module):
+                gathered_parameters.add_external(fetcher, module, param)
+        residency = publisher = fetcher
+    else:
+        residency = ResidentParams(units)
+        sharded_stage = cfg.zero_optimization.stage > 0 and context.world_size > 1
+        publisher = GatherUnits(units) if sharded_stage else KeepUnits()
     update_policy = FusedCpuUpdate if isinstance(inner, CPUAdam) else TorchUpdate
     sharded = ShardedOptimizer(
         inner=inner,
@@ -69,10 +116,10 @@ def initialize(
         precision=precision,
         gradient_clipping=cfg.gradient_clipping,
         world_size=context.world_size,
-        sharded=cfg.zero_optimization.stage > 0,
+        publisher=publisher,
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
-    engine = Engine(model, sharded, scheduler, cfg, context, batch, handles)
+    engine = Engine(model, sharded, scheduler, cfg, context, batch, residency, handles)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
 
@@ -83,6 +130,36 @@ def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedCont
         # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
         with torch.no_grad():
             comm.broadcast_from_rank0([*model.parameters(), *model.buffers()])
+
+
+def _shard(
+    model: torch.nn.Module, context: comm.DistributedContext, meta_init: Optional[MetaInit]
+) -> tuple[list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
+    """Stage 3: every module's parameters into sharded groups, one module at
+    a time, starting from rank 0's values (or materialised from the meta
+    device, identically on every rank); buffers go to the device whole."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(context.device))
+    if context.world_size > 1:
+        with torch.no_grad():
+            comm.broadcast_from_rank0([b for b in model.buffers()])
+    materialise = None
+    if meta_init is not None:
+        materialise = functools.partial(meta_init.materialise, device=context.device)
+    return build_groups(
+        plan_groups(model),
+        context.world_size,
+        context.rank,
+        context.device,
+        synchronise=context.world_size > 1 and meta_init is None,
+        materialise=materialise,
+    )
+
+
+
+def _write_master(master: MasterShards, units: list[Unit], group: ShardedGroup) -> None:
+    master.shards[units.index(group)].copy_(group.local_shard)
 
 
 def _pack(groups: ParamGroups, cfg: Config, context: comm.DistributedContext) -> list[FlatUnit]:
@@ -104,13 +181,16 @@ def _master_device(cfg: Config, context: comm.DistributedContext) -> torch.devic
     return context.device
 
 
-def _cast_model(model: torch.nn.Module, units: list[FlatUnit], precision: MixedPrecision) -> None:
+def _cast_model(
+    model: torch.nn.Module, layouts: list[Union[FlatUnit, ShardedGroup]], precision: MixedPrecision
+) -> None:
     """Parameters and floating-point buffers to the compute dtype; the fp32
     master shards were taken before, so they keep full precision."""
     dtype = precision.compute_dtype
-    for unit in units:
-        unit.cast_(dtype)
-    in_units = {id(p) for u in units for p in u.params}
+    for layout in layouts:
+        if layout.dtype.is_floating_point:
+            layout.cast_(dtype)
+    in_units = {id(p) for u in layouts for p in u.params}
     with torch.no_grad():
         for p in model.parameters():
             if id(p) not in in_units and p.is_floating_point():
@@ -122,10 +202,10 @@ def _cast_model(model: torch.nn.Module, units: list[FlatUnit], precision: MixedP
 
 
 def _reducer(
-    cfg: Config, units: list[FlatUnit], context: comm.DistributedContext, precision: MixedPrecision
+    cfg: Config, units: list[Unit], context: comm.DistributedContext, precision: MixedPrecision
 ) -> GradientReducer:
     stage = cfg.zero_optimization.stage
-    if stage == 2:
+    if stage >= 2:
         return ReduceScatterEveryMicroStep(units, context.world_size, precision.reduce_dtype)
     return AccumulateThenReduce(units, context.world_size, precision.reduce_dtype, sharded=stage == 1)
 

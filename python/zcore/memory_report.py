@@ -51,14 +51,20 @@ def _tensor_bytes(tensors) -> int:
 
 
 def measure_memory(
-    module: torch.nn.Module, optimizer: ShardedOptimizer, stage: int, world_size: int
+    module: torch.nn.Module,
+    optimizer: ShardedOptimizer,
+    stage: int,
+    world_size: int,
+    stored_params: list[torch.Tensor],
 ) -> MemoryReport:
+    """``stored_params``: the tensors holding parameters between uses (whole
+    units in stages 0-2; shards and persistent gathered groups in stage 3)."""
     units = optimizer.units
     reducer = optimizer.reducer
     in_units = {id(p) for u in units for p in u.params}
     others = [p for p in module.parameters() if id(p) not in in_units]
 
-    unit_param_bytes = _tensor_bytes(u.flat for u in units)
+    unit_param_bytes = _tensor_bytes(stored_params)
     grad_tensors = list(reducer.shards)
     if isinstance(reducer, AccumulateThenReduce) and reducer.sharded:
         grad_tensors += reducer.acc
@@ -77,10 +83,11 @@ def measure_memory(
     shards = 1 if stage == 0 else world_size
     shard_elems = sum(u.shard_numel for u in units) if units else 0
     padded = sum(u.padded_numel for u in units)
-    itemsize = units[0].flat.element_size() if units else 4
-    grads = {0: 4 * padded, 1: 4 * padded + 4 * shard_elems, 2: 4 * shard_elems}[stage]
+    itemsize = units[0].dtype.itemsize if units else 4
+    grads = {0: 4 * padded, 1: 4 * padded + 4 * shard_elems, 2: 4 * shard_elems, 3: 4 * shard_elems}[stage]
+    param_shards = world_size if stage == 3 else 1
     theoretical = MemoryFigures(
-        parameters=psi * itemsize + _tensor_bytes(others),
+        parameters=psi * itemsize // param_shards + _tensor_bytes(others),
         gradients=grads,
         optimizer_states=12 * psi // shards,
         buffers=measured.buffers,

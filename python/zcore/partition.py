@@ -14,6 +14,7 @@ so a parameter without a gradient is skipped exactly as torch.optim skips it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,6 +25,41 @@ class Piece:
     shard_start: int  # first element within this rank's shard
     param_start: int  # first element within the flattened parameter
     numel: int
+
+
+class Unit(Protocol):
+    """What the reducer and the optimizer need of a group of parameters laid
+    out flat and padded to a multiple of the shard count: stages 0-2 keep the
+    whole buffer (FlatUnit), stage 3 only this rank's shard (ShardedGroup)."""
+
+    params: list[torch.nn.Parameter]
+    pieces: list[Piece]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype, where the optimizer writes."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def param_slice(self, flat: torch.Tensor, param_index: int) -> torch.Tensor: ...
+
+
+def pieces_of(offsets: list[int], numels: list[int], lo: int, hi: int) -> list[Piece]:
+    """The parts of parameters at ``offsets`` that fall in the shard [lo, hi)."""
+    pieces = []
+    for i, (offset, numel) in enumerate(zip(offsets, numels)):
+        start, end = max(lo, offset), min(hi, offset + numel)
+        if start < end:
+            pieces.append(Piece(i, start - lo, start - offset, end - start))
+    return pieces
 
 
 class FlatUnit:
@@ -54,20 +90,13 @@ class FlatUnit:
             for p, offset in zip(params, self.offsets):
                 self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
         self._point_params_at(self.flat)
-        self.pieces = self._pieces()
+        self.pieces = pieces_of(
+            self.offsets, [p.numel() for p in params], self.shard_start, self.shard_start + self.shard_numel
+        )
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
         for p, offset in zip(self.params, self.offsets):
             p.data = flat[offset : offset + p.numel()].view(p.shape)
-
-    def _pieces(self) -> list[Piece]:
-        lo, hi = self.shard_start, self.shard_start + self.shard_numel
-        pieces = []
-        for i, (p, offset) in enumerate(zip(self.params, self.offsets)):
-            start, end = max(lo, offset), min(hi, offset + p.numel())
-            if start < end:
-                pieces.append(Piece(i, start - lo, start - offset, end - start))
-        return pieces
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Re-store the flat buffer (and the parameter views) in ``dtype``."""
@@ -78,6 +107,18 @@ class FlatUnit:
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a unit-sized flat tensor."""
         return flat[self.shard_start : self.shard_start + self.shard_numel]
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        return self.shard(self.flat)
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
 
     def param_slice(self, flat: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.offsets[param_index]

@@ -5,21 +5,23 @@ optimizer whose parameters are *pieces*: views into the master shards, one
 per parameter that overlaps the shard, grouped as the user's parameter groups
 were. At a boundary it unscales, checks for overflow, clips by the global
 norm, steps, writes the updated shard back into the compute-dtype parameters
-and all-gathers them.
+and publishes them (a policy: all-gather the units in stages 1 and 2; in
+stage 3 parameters are gathered on demand, so only what stays gathered is
+refreshed).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from zcore import comm
 from zcore.grad_reduction import GradientReducer
 from zcore.optim import CPUAdam
-from zcore.partition import FlatUnit
+from zcore.partition import FlatUnit, Unit
 from zcore.precision import MixedPrecision
 
 
@@ -32,10 +34,10 @@ class StepResult:
 class MasterShards:
     """fp32 master copies of this rank's shards and the pieces viewing them."""
 
-    def __init__(self, units: list[FlatUnit], device: torch.device) -> None:
+    def __init__(self, units: list[Unit], device: torch.device) -> None:
         self.units = units
         self.shards = [
-            u.shard(u.flat).detach().to(device=device, dtype=torch.float32, copy=True) for u in units
+            u.local_shard.detach().to(device=device, dtype=torch.float32, copy=True) for u in units
         ]
         # pieces[u][k] views self.shards[u] for units[u].pieces[k].
         self.pieces = [
@@ -66,7 +68,7 @@ class TorchUpdate:
         self.inner = inner
         self.master = master
         self.reducer = reducer
-        offloaded = any(s.device != u.flat.device for s, u in zip(master.shards, master.units))
+        offloaded = any(s.device != u.device for s, u in zip(master.shards, master.units))
         # Offloaded masters need their gradients beside them.
         self.host_grads = (
             [torch.empty_like(s) for s in master.shards] if offloaded else None
@@ -85,7 +87,7 @@ class TorchUpdate:
                 g.mul_(coefficient)
         self.inner.step()
         for unit, shard in zip(self.master.units, self.master.shards):
-            unit.shard(unit.flat).copy_(shard)
+            unit.local_shard.copy_(shard)
 
 
 class FusedCpuUpdate(TorchUpdate):
@@ -95,12 +97,12 @@ class FusedCpuUpdate(TorchUpdate):
 
     def __init__(self, inner: CPUAdam, master: MasterShards, reducer: GradientReducer) -> None:
         super().__init__(inner, master, reducer)
-        compute = master.units[0].flat.dtype if master.units else torch.float32
+        compute = master.units[0].dtype if master.units else torch.float32
         self.fused_copy = compute in (torch.bfloat16, torch.float16)
         self.outs: dict[torch.Tensor, torch.Tensor] = {}
         self.staging: list[torch.Tensor] = []
         for unit, pieces in zip(master.units, master.pieces):
-            local = unit.shard(unit.flat)
+            local = unit.local_shard
             staging = local if local.device.type == "cpu" else torch.empty(local.shape, dtype=compute)
             self.staging.append(staging)
             for meta, piece in zip(unit.pieces, pieces):
@@ -112,9 +114,35 @@ class FusedCpuUpdate(TorchUpdate):
             return
         self.inner.fused_step(grad_scale=coefficient, params_out=self.outs)
         for unit, staging in zip(self.master.units, self.staging):
-            local = unit.shard(unit.flat)
+            local = unit.local_shard
             if staging is not local:
                 local.copy_(staging)
+
+
+class Publisher(Protocol):
+    def publish(self) -> None:
+        """Makes the updated shards visible to the forward passes to come."""
+
+
+class GatherUnits:
+    """Stages 1 and 2: every rank's updated shards into every rank's units."""
+
+    def __init__(self, units: list[FlatUnit]) -> None:
+        self.units = units
+
+    def publish(self) -> None:
+        works = [
+            comm.all_gather_into(unit.flat, unit.local_shard.clone(), async_op=True)
+            for unit in self.units
+        ]
+        comm.wait_all(works)
+
+
+class KeepUnits:
+    """Stage 0, or a world of one: the shard is the whole unit already."""
+
+    def publish(self) -> None:
+        return None
 
 
 class ShardedOptimizer:
@@ -130,7 +158,7 @@ class ShardedOptimizer:
         precision: MixedPrecision,
         gradient_clipping: float,
         world_size: int,
-        sharded: bool,
+        publisher: Publisher,
     ) -> None:
         self.inner = inner
         self.master = master
@@ -139,7 +167,7 @@ class ShardedOptimizer:
         self.precision = precision
         self.gradient_clipping = gradient_clipping
         self.world_size = world_size
-        self.sharded = sharded  # False for stage 0: every rank steps whole units
+        self.publisher = publisher
         self.units = master.units
 
     @property
@@ -172,7 +200,7 @@ class ShardedOptimizer:
                 coefficient *= clip
         self.update.apply(coefficient)
         scaler.update(overflow=False)
-        self._publish()
+        self.publisher.publish()
         self._end_step()
         return StepResult(skipped=False, grad_norm=norm)
 
@@ -192,19 +220,10 @@ class ShardedOptimizer:
         for u in range(len(self.units)):
             shard = self.reducer.grad_shard(u)
             squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double().cpu() ** 2
-        if self.sharded and self.world_size > 1:
+        # Stage 0 reduces whole gradients: every rank already has the total.
+        if self.reducer.sharded and self.world_size > 1:
             comm.all_reduce_sum(squares)
         return math.sqrt(squares.item()) * inv_scale
-
-    def _publish(self) -> None:
-        """This rank's updated shards -> the parameters on every rank."""
-        if not (self.sharded and self.world_size > 1):
-            return
-        works = [
-            comm.all_gather_into(unit.flat, unit.shard(unit.flat).clone(), async_op=True)
-            for unit in self.units
-        ]
-        comm.wait_all(works)
 
     def _end_step(self) -> None:
         for pieces in self.master.pieces:

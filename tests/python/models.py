@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import zcore
+
 from zcore.demo.gpt import GPT, GPTConfig
 
 
@@ -45,7 +47,32 @@ class BranchMLP(nn.Module):
         return self.head(h)
 
 
-MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP}
+class MixedUse(nn.Module):
+    """ZeRO-3's structural cases in one model: a layer called twice per
+    forward, a frozen submodule, a branch taken on some steps only (on every
+    rank alike: ranks whose modules differ cannot share all-gathers), and a
+    parameter used outside its module (the head's, in this forward),
+    declared to zcore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.shared = nn.Linear(32, 32)
+        self.frozen = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+        zcore.register_external_parameter(self, self.head.weight)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.shared(self.frozen(h)))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h) + 0.1 * F.linear(h, self.head.weight)
+
+
+MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP, "mix": MixedUse}
 
 
 def make_model(name: str) -> nn.Module:
@@ -62,6 +89,8 @@ def takes_branch(step: int, rank: int) -> bool:
 def forward(name: str, model: nn.Module, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     if name == "branch":
         return model(x, use_branch=takes_branch(step, rank))
+    if name == "mix":
+        return model(x, use_branch=step % 3 == 0)
     return model(x)
 
 

@@ -1,7 +1,7 @@
 """Training loops shared by the engine tests: zcore on N ranks, and a plain
 single-process reference over the same global batches.
 
-A global batch of GLOBAL_BATCH rows is split into world x accumulation parts;
+A global batch of GLOBAL_BATCH rows (or the config's train_batch_size) is split into world x accumulation parts;
 part q = m * world + r is rank r's micro-batch m. The reference computes the
 same parts in one process, accumulates their fp32 gradients and steps
 torch.optim.AdamW on fp32 master weights (in fp32 training the master is the
@@ -47,8 +47,8 @@ def zcore_config(
     return {**config, **extra}
 
 
-def rows(part: int, parts: int) -> slice:
-    micro = GLOBAL_BATCH // parts
+def rows(part: int, parts: int, batch: int = GLOBAL_BATCH) -> slice:
+    micro = batch // parts
     return slice(part * micro, (part + 1) * micro)
 
 
@@ -58,13 +58,14 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
     the engine's memory report."""
     engine, _, _, _ = zcore.initialize(model=make_model(model_name), config=config)
     gas = engine.gradient_accumulation_steps()
+    batch = engine.train_batch_size()
     dtype = engine.optimizer.precision.compute_dtype
     losses = []
     for step in range(steps):
-        x, y = global_batch(model_name, step, GLOBAL_BATCH)
+        x, y = global_batch(model_name, step, batch)
         total = torch.zeros(())
         for m in range(gas):
-            part = rows(m * world + rank, world * gas)
+            part = rows(m * world + rank, world * gas, batch)
             xs = x[part] if model_name == "gpt" else x[part].to(dtype)
             loss = loss_of(model_name, forward(model_name, engine, xs, step, rank), y[part])
             engine.backward(loss)
@@ -72,19 +73,29 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
+    gather_stats = engine.gather_stats()  # before the gathering below
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {
         "losses": losses,
-        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "params": params,
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "memory": engine.memory_report(),
         "optimizer": type(engine.optimizer.inner).__name__,
         "update": type(engine.optimizer.update).__name__,
+        "gather_stats": gather_stats,
     }
 
 
 def train_reference(
-    model_name: str, clip: float, steps: int, world: int, gas: int, precision: str = "fp32"
+    model_name: str,
+    clip: float,
+    steps: int,
+    world: int,
+    gas: int,
+    precision: str = "fp32",
+    batch: int = GLOBAL_BATCH,
 ) -> dict:
     master = make_model(model_name)
     dtype = DTYPES[precision]
@@ -95,10 +106,10 @@ def train_reference(
     parts = world * gas
     losses = []
     for step in range(steps):
-        x, y = global_batch(model_name, step, GLOBAL_BATCH)
+        x, y = global_batch(model_name, step, batch)
         total = 0.0
         for q in range(parts):
-            part = rows(q, parts)
+            part = rows(q, parts, batch)
             xs = x[part] if model_name == "gpt" else x[part].to(dtype)
             out = forward(model_name, model, xs, step, rank=q % world)
             loss = loss_of(model_name, out, y[part])

@@ -1,0 +1,363 @@
+"""ZeRO-3 at run time: executes the native coordinator's plans.
+
+The coordinator (zcore._C.ParamCoordinator, protocol in
+cpp/include/zcore/coordinator.h) decides at each module which parameter
+groups to gather, wait for and release; ``ParamFetcher`` owns it, the groups
+and their buffers, and does what the plans say: one asynchronous all-gather
+of a group's shard into a buffer per kGather, parameters pointed at views of
+the buffer at kWait, pointed away and the buffer returned at kRelease. The
+module hooks (zcore.hooks) call in here; the engine brackets each step.
+
+A step is one forward and its backward (one trace: backward continues it).
+Forward with grad enabled uses trace key TRAIN, without grad (evaluation,
+generation) key NO_GRAD; a no-grad step ends when its forward returns, a
+training step when the engine's backward has run, or at the next forward if
+no backward came.
+
+Saved tensors (note "saved views"): autograd saves views of parameters for
+backward (``weight.t()`` of a Linear). Such a view aliases the gathered
+buffer, which is released after the module and reused for another group, so
+the engine's forward runs under saved-tensor hooks: a saved tensor that views
+a gathered buffer is kept as (group, offset, size, stride) and rebuilt from
+the group's buffer of the moment at backward, when the module's backward
+pre-hook has gathered the group again. Arena compaction moves buffers the
+same way, which is why nothing else may keep a view across a gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from zcore import _C, comm
+from zcore.errors import InvalidStateError
+from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
+from zcore.sharded_group import ShardedGroup
+
+log = logging.getLogger("zcore")
+
+TRAIN, NO_GRAD = 0, 1  # trace keys
+
+_GATHER, _WAIT, _RELEASE = _C.Action.GATHER, _C.Action.WAIT, _C.Action.RELEASE
+
+
+class ModuleCall:
+    """One call of a hooked module: its backward is entered once (by the
+    first gradient of its outputs) and left once (by the gradient of its
+    inputs, or at the end of backward when its inputs need none)."""
+
+    __slots__ = ("site", "in_backward")
+
+    def __init__(self, site: int) -> None:
+        self.site = site  # coordinator module id
+        self.in_backward = False
+
+
+class _SavedView(NamedTuple):
+    group: int
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GatherStats:
+    """Coordinator statistics (elements) and gathered-buffer figures (bytes)."""
+
+    steps: int
+    gathers: int
+    bytes_gathered: int
+    prefetch_gathers: int
+    prefetch_hits: int
+    prefetch_misses: int
+    resident_hits: int
+    trace_departures: int
+    live_elements: int
+    peak_live_elements: int
+    arena_capacity: int
+    arena_fallbacks: int
+    compactions: int
+    gathered_bytes: int
+    persistent_bytes: int
+    peak_gathered_bytes: int
+
+
+class ParamFetcher:
+    def __init__(
+        self,
+        groups: list[ShardedGroup],
+        modules: list[tuple[torch.nn.Module, list[int]]],
+        config: _C.CoordinatorConfig,
+        world_size: int,
+    ) -> None:
+        self.groups = groups
+        self.world_size = world_size
+        self.coordinator = _C.ParamCoordinator(config)
+        for g in groups:
+            self.coordinator.register_group(g.padded_numel, g.dtype.itemsize)
+        # sites[k]: the coordinator module of hooked module k (replaced when an
+        # external parameter adds a group to it).
+        self.sites: list[int] = []
+        self._module_index: dict[int, int] = {}  # id(module) -> k
+        for module, ids in modules:
+            self.add_module(module, ids)
+        self._site_of_groups: dict[tuple[int, ...], int] = {}
+        persistent = [self.coordinator.persistent(g.index) for g in groups]
+        capacity = arena_capacity(
+            groups, persistent, config.max_live_elements, config.prefetch_bucket_elements
+        )
+        self.buffers = GatherBuffers(groups, persistent, capacity)
+        self.group_of_param = {id(p): g.index for g in groups for p in g.params}
+        self._in_flight: dict[int, Optional[Any]] = {}  # group -> its all-gather's Work
+        self._forward_stack: list[ModuleCall] = []
+        self._backward_open: dict[int, ModuleCall] = {}  # id(call) -> call
+        self._master_writer: Optional[Callable[[ShardedGroup], None]] = None
+        self._entering: list[int] = []  # groups of the module being entered
+
+    # The engine's side: steps.
+    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        grad = torch.is_grad_enabled()
+        if self.coordinator.in_step:
+            self.end_step()  # the previous forward had no backward
+        self.coordinator.begin_step(TRAIN if grad else NO_GRAD)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                out = module(*args, **kwargs)
+        except BaseException:
+            self.abort()
+            raise
+        if not grad:
+            self.end_step()
+        return out
+
+    def end_step(self) -> None:
+        """After backward: closes the module calls whose inputs took no
+        gradient (their backward post-hook never fires), then ends the step."""
+        if not self.coordinator.in_step:
+            return
+        for call in list(self._backward_open.values()):
+            self.exit_backward(call)
+        self._execute(self.coordinator.end_step())
+        notice = self.coordinator.take_departure_notice()
+        if notice is not None:
+            log.info(
+                "zcore ZeRO-3: step %d (trace %d) left its recorded module order at use %d "
+                "(expected group %d, got %d); gathering on demand and recording the new order. "
+                "Said once until the order is stable again.",
+                notice.step, notice.trace_key, notice.position, notice.expected, notice.actual,
+            )
+
+    def abort(self) -> None:
+        self._forward_stack.clear()
+        self._backward_open.clear()
+        self._execute(self.coordinator.abort_step())
+
+    def publish(self) -> None:
+        """After an optimizer step: the trained groups that stay gathered
+        (persistent ones) get the new values in place, in one all-gather."""
+        stale = [
+            g for g in self.groups
+            if g.trainable and self.buffers.persistent[g.index] and self.buffers.holds(g.index)
+        ]
+        if not stale:
+            return
+        if self.world_size == 1:
+            for g in stale:
+                self.buffers.current(g.index).copy_(g.local_shard)
+            return
+        send = torch.cat([g.local_shard for g in stale])
+        recv = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
+        comm.all_gather_into(recv, send)
+        recv = recv.view(self.world_size, -1)
+        start = 0
+        for g in stale:
+            full = self.buffers.current(g.index).view(self.world_size, g.shard_numel)
+            full.copy_(recv[:, start : start + g.shard_numel])
+            start += g.shard_numel
+
+    # The hooks' side: module calls.
+    def enter_forward(self, module: int) -> ModuleCall:
+        call = ModuleCall(self.sites[module])
+        self._enter(call.site)
+        self._forward_stack.append(call)
+        return call
+
+    def exit_forward(self) -> ModuleCall:
+        call = self._forward_stack.pop()
+        self._execute(self.coordinator.after_module(call.site))
+        return call
+
+    def enter_backward(self, call: ModuleCall, _grad: Any = None) -> None:
+        if call.in_backward:
+            return
+        call.in_backward = True
+        self._backward_open[id(call)] = call
+        self._enter(call.site)
+
+    def exit_backward(self, call: ModuleCall) -> None:
+        if self._backward_open.pop(id(call), None) is None:
+            return
+        call.in_backward = False
+        self._execute(self.coordinator.after_module(call.site))
+
+    # Saved tensors (note "saved views").
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.layout != torch.strided or id(t) in self.group_of_param:
+            return t  # a parameter saved as itself: its .data follows the gathers
+        owner = self.buffers.owner_of(t)
+        if owner is None:
+            return t
+        return _SavedView(owner[0], owner[1], t.shape, t.stride())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        if not self.buffers.holds(saved.group) or saved.group in self._in_flight:
+            raise InvalidStateError(
+                f"backward needs parameter group {saved.group} (parameters "
+                f"{self._describe(saved.group)}) but it is not gathered: a module used a "
+                "parameter it does not own; declare it with "
+                "zcore.register_external_parameter(module, param)",
+                group=saved.group,
+            )
+        full = self.buffers.current(saved.group)
+        # as_strided's offset counts from the start of the storage, not of ``full``.
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+
+    # Use sites outside the module hooks (GatheredParameters).
+    def site_for(self, group_ids: list[int]) -> int:
+        key = tuple(sorted(set(group_ids)))
+        if key not in self._site_of_groups:
+            self._site_of_groups[key] = self.coordinator.register_module(list(key))
+        return self._site_of_groups[key]
+
+    def gather_site(self, site: int) -> None:
+        self._enter(site)
+
+    def release_site(self, site: int) -> None:
+        self._execute(self.coordinator.after_module(site))
+
+    def module_index(self, module: torch.nn.Module) -> Optional[int]:
+        return self._module_index.get(id(module))
+
+    def add_module(self, module: torch.nn.Module, group_ids: list[int]) -> int:
+        """A module to hook, needing ``group_ids``; returns its index k."""
+        self._module_index[id(module)] = len(self.sites)
+        self.sites.append(self.coordinator.register_module(group_ids))
+        return len(self.sites) - 1
+
+    def add_to_module(self, module: int, group: int) -> None:
+        """Hooked module ``module`` also needs ``group`` from now on."""
+        groups = list(self.coordinator.module_groups(self.sites[module]))
+        if group not in groups:
+            self.sites[module] = self.coordinator.register_module(groups + [group])
+
+    def set_master_writer(self, writer: Callable[[ShardedGroup], None]) -> None:
+        """How a changed local shard reaches the fp32 master (GatheredParameters)."""
+        self._master_writer = writer
+
+    def write_back(self, group: int, source_rank: int) -> None:
+        """Every rank takes ``source_rank``'s full values of a gathered group
+        into its shard (and master); the gathered buffer gets them too."""
+        g = self.groups[group]
+        full = self.buffers.current(group)
+        if self.world_size > 1:
+            torch.distributed.broadcast(full, src=source_rank)
+        g.local_shard.copy_(g.shard_of(full))
+        if self._master_writer is not None and g.trainable:
+            self._master_writer(g)
+
+    def stats(self) -> GatherStats:
+        c = self.coordinator.stats()
+        b = self.buffers.stats
+        values = {f.name: getattr(c, f.name, None) for f in fields(GatherStats)}
+        values.update({f.name: getattr(b, f.name) for f in fields(BufferStats)})
+        return GatherStats(**values)
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        persistent = [
+            self.buffers.current(g.index)
+            for g in self.groups
+            if self.buffers.persistent[g.index] and self.buffers.holds(g.index)
+        ]
+        return [g.local_shard for g in self.groups] + persistent
+
+    def reset_peak(self) -> None:
+        self.coordinator.reset_peak()
+        self.buffers.reset_peak()
+
+    # Plans.
+    def _enter(self, site: int) -> None:
+        self._entering = self.coordinator.module_groups(site)
+        try:
+            self._execute(self.coordinator.before_module(site))
+        finally:
+            self._entering = []
+
+    def _execute(self, plan: list) -> None:
+        for action, group in plan:
+            if action is _GATHER:
+                self._start_gather(group)
+            elif action is _WAIT:
+                self._finish_gather(group)
+            else:
+                self._release(group)
+
+    def _start_gather(self, group: int) -> None:
+        compacts = self.buffers.would_compact(group)
+        allow = compacts and self._compaction_is_safe()
+        if allow:
+            # Compaction moves blocks: no all-gather may still be writing.
+            for work in self._in_flight.values():
+                if work is not None:
+                    work.wait()
+            self._in_flight = dict.fromkeys(self._in_flight)
+        buf, moved = self.buffers.take(group, allow_compaction=allow)
+        if moved:
+            for other in self.buffers.in_arena():
+                if other != group and other not in self._in_flight:
+                    self.groups[other].point_params_at(self.buffers.current(other))
+        shard = self.groups[group].local_shard
+        if self.world_size == 1:
+            buf.copy_(shard)
+            self._in_flight[group] = None
+        else:
+            self._in_flight[group] = comm.all_gather_into(buf, shard, async_op=True)
+
+    def _compaction_is_safe(self) -> bool:
+        """A running module may hold views of its groups' buffers in local
+        variables (``w = self.weight.t()`` before calling a child), which a
+        compaction would leave pointing at moved bytes: compact only when no
+        arena group is in use but by the module being entered (which has not
+        run yet)."""
+        c = self.coordinator
+        return all(
+            c.state(g) != _C.GroupState.IN_USE or (g in self._entering and c.use_count(g) == 1)
+            for g in self.buffers.in_arena()
+        )
+
+    def _finish_gather(self, group: int) -> None:
+        work = self._in_flight.pop(group)
+        if work is not None:
+            work.wait()
+        self.groups[group].point_params_at(self.buffers.current(group))
+
+    def _release(self, group: int) -> None:
+        self.groups[group].release_params()
+        self.buffers.give_back(group)
+
+    def _describe(self, group: int) -> str:
+        return ", ".join(str(tuple(s)) for s in self.groups[group].shapes)
+
+
+def coordinator_config(zero: Any) -> _C.CoordinatorConfig:
+    """From the config's zero_optimization section."""
+    return _C.CoordinatorConfig(
+        prefetch_bucket_elements=zero.stage3_prefetch_bucket_size,
+        max_live_elements=zero.stage3_max_live_parameters,
+        max_reuse_distance=zero.stage3_max_reuse_distance,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+    )
