@@ -1,5 +1,6 @@
-"""Step time and peak memory of ZeRO stages 0-2 on 2 gloo ranks (CPU):
-zcore against PyTorch DDP and DeepSpeed, in the same run.
+"""Step time and peak memory of ZeRO stages 0-3 on 2 gloo ranks (CPU):
+zcore against PyTorch DDP, FSDP2 (fully_shard per block) and DeepSpeed, in
+the same run.
 
 Every system trains the same GPT (6 layers, d_model 512, vocab 8192, seq 256,
 tied LM head: 23.2M parameters) with micro-batch 4 in fp32, each rank on one
@@ -24,7 +25,11 @@ import time
 
 import torch
 
-SYSTEMS = ["ddp", "zcore-0", "zcore-1", "zcore-2", "deepspeed-0", "deepspeed-1", "deepspeed-2"]
+SYSTEMS = [
+    "ddp", "fsdp2",
+    "zcore-0", "zcore-1", "zcore-2", "zcore-3",
+    "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3",
+]
 MICRO_BATCH = 4
 
 
@@ -56,6 +61,21 @@ def _build(system: str, model, world: int):
             opt.zero_grad(set_to_none=True)
 
         return ddp, lambda loss: loss.backward(), step
+    if system == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return model, lambda loss: loss.backward(), step
     stage = int(system.split("-")[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = {
