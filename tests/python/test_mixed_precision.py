@@ -1,4 +1,4 @@
-"""bf16 and fp16 training against a single-process mixed-precision reference,
+"""bf16 and fp16 training (stages 0-3) against a single-process mixed-precision reference,
 and fp16 overflow handling.
 
 Tolerances: both sides run the same bf16/fp16 forward and backward on the
@@ -31,13 +31,20 @@ PARAM_TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 VARIANTS = [("gpt", 2, 0.05, False), ("gpt", 2, 0.05, True), ("mlp", 1, 0.0, False)]
 
 
+def precision_config(stage, gas, clip, precision, offload):
+    config = zcore_config(stage, gas, clip, precision, offload)
+    if stage == 3:  # gathered and released per module, not kept whole
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return config
+
+
 def run_precisions(rank, world):
     return {
         (precision, model, gas, clip, offload, stage): train_zcore(
-            rank, world, model, zcore_config(stage, gas, clip, precision, offload), STEPS
+            rank, world, model, precision_config(stage, gas, clip, precision, offload), STEPS
         )
         for precision in ("bf16", "fp16")
-        for stage in (0, 1, 2)
+        for stage in (0, 1, 2, 3)
         for model, gas, clip, offload in VARIANTS
     }
 
@@ -52,8 +59,13 @@ def test_bf16_and_fp16_match_the_mixed_precision_reference():
         assert_matches(got, ref, LOSS_TOLERANCE[precision], label, PARAM_TOLERANCE[precision])
 
 
+def full_params(engine):
+    with zcore.GatheredParameters(list(engine.module.parameters())):  # stage 3 keeps shards only
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def train_with_injected_inf(rank, world, stage, bad_step, bad_rank):
-    config = zcore_config(stage, 1, 0.0, "fp16")
+    config = precision_config(stage, 1, 0.0, "fp16", False)
     config["fp16"].update(hysteresis=1)
     engine, _, _, _ = zcore.initialize(model=make_model("mlp"), config=config)
     micro = engine.train_micro_batch_size_per_gpu()
@@ -64,18 +76,17 @@ def train_with_injected_inf(rank, world, stage, bad_step, bad_rank):
         loss = loss_of("mlp", engine(x[part].half()), y[part])
         if step == bad_step and rank == bad_rank:
             loss = loss * math.inf  # every gradient on this rank becomes inf or nan
-        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        before = full_params(engine)
         scale = engine.loss_scale
         engine.backward(loss)
         engine.step()
-        changed = any(
-            not torch.equal(before[n], p) for n, p in engine.module.named_parameters()
-        )
+        after = full_params(engine)
+        changed = any(not torch.equal(before[n], p) for n, p in after.items())
         record.append({"scale_before": scale, "scale_after": engine.loss_scale, "changed": changed})
     return {"record": record, "skipped": engine.skipped_steps, "steps": engine.global_steps}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage):
     bad_step = 2
     results = run_ranks(train_with_injected_inf, 2, stage, bad_step, 1, timeout=300)
