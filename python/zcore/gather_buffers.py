@@ -17,6 +17,8 @@ callers re-derive them with ``current``.
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,6 +63,11 @@ class GatherBuffers:
         self._blocks: dict[int, Block] = {}  # group -> its arena block
         self._plain: dict[int, torch.Tensor] = {}  # group -> persistent or fallback buffer
         self._plain_ptrs: dict[int, int] = {}  # storage pointer -> group, for owner_of
+        # Arena blocks by start byte, sorted, for owner_of's bisection: it
+        # runs for every tensor autograd saves. Offsets only change when
+        # the arena compacts, and then the index is rebuilt.
+        self._starts: list[int] = []
+        self._group_at: dict[int, int] = {}
         self._generation = self.arena.generation if self.arena is not None else 0
         self.stats = BufferStats(arena_capacity=capacity)
 
@@ -91,6 +98,9 @@ class GatherBuffers:
             if moved:
                 self._generation = self.arena.generation
                 self.stats.compactions += 1
+                self._index_blocks()
+            else:
+                self._index_block(group)
             buf = self.current(group)
         else:
             self.stats.arena_fallbacks += 1
@@ -103,6 +113,9 @@ class GatherBuffers:
         nbytes = self._nbytes(group)
         block = self._blocks.pop(group, None)
         if block is not None:
+            start = self.arena.offset(block)
+            self._starts.pop(bisect.bisect_left(self._starts, start))
+            del self._group_at[start]
             self.arena.free(block)
         else:
             buf = self._plain.pop(group)
@@ -130,11 +143,23 @@ class GatherBuffers:
         if not self._blocks or not self.arena.owns(t):
             return None
         byte = t.storage_offset() * t.element_size()
-        for group, block in self._blocks.items():
-            start = self.arena.offset(block)
-            if start <= byte < start + block.nbytes:
-                return group, (byte - start) // t.element_size()
-        return None
+        i = bisect.bisect_right(self._starts, byte) - 1
+        if i < 0:
+            return None
+        start = self._starts[i]
+        group = self._group_at[start]
+        if byte >= start + self._blocks[group].nbytes:
+            return None
+        return group, (byte - start) // t.element_size()
+
+    def _index_block(self, group: int) -> None:
+        start = self.arena.offset(self._blocks[group])
+        bisect.insort(self._starts, start)
+        self._group_at[start] = group
+
+    def _index_blocks(self) -> None:
+        self._group_at = {self.arena.offset(b): g for g, b in self._blocks.items()}
+        self._starts = sorted(self._group_at)
 
     def reset_peak(self) -> None:
         self.stats.peak_gathered_bytes = self.stats.gathered_bytes

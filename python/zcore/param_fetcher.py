@@ -190,7 +190,7 @@ class ParamFetcher:
         self._execute(self.coordinator.after_module(call.site))
         return call
 
-    def enter_backward(self, call: ModuleCall, _grad: Any = None) -> None:
+    def enter_backward(self, call: ModuleCall) -> None:
         if call.in_backward:
             return
         call.in_backward = True

@@ -46,6 +46,11 @@ def _rank_main(fn, rank, world_size, port, results, args, launcher) -> None:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # Deliver the result, then skip interpreter teardown, where torch
+        # 2.13's gloo sometimes aborts (see zcore.demo.train.exit_now).
+        results.close()
+        results.join_thread()
+        os._exit(0)
 
 
 def run_ranks(

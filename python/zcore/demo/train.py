@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -91,9 +93,22 @@ def main() -> None:
         print(report)
         for r, t in enumerate(gathered):
             print(f"rank {r}: {t.item() / 2**20:.2f} MiB held by zcore; DDP would hold {ddp / 2**20:.2f} MiB")
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def exit_now() -> None:
+    """Ends the process without interpreter teardown. With torch 2.13 and
+    gloo, a process that has used a process group sometimes aborts in static
+    teardown after destroy_process_group() ("terminate called without an
+    active exception"): measured 3 times in 12 runs of a plain DDP script on
+    this 2-core machine under load. Nothing is left to run or flush."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     main()
+    exit_now()
