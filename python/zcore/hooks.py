@@ -6,23 +6,23 @@ to the gradient reducer.
 Stage 3: four module hooks per module with parameters, each delegating to
 the ParamFetcher that owns the state:
 - forward pre-hook: enter the module (gather its groups); its tensor inputs
-  pass through ``_BackwardExit``, whose backward runs once autograd has
+  pass through ``_OnBackward`` (leaving), whose backward runs once autograd has
   computed the gradients of those inputs, i.e. after the module's backward;
 - forward post-hook: leave the module; its tensor outputs that require grad
-  pass through ``_BackwardEntry``, whose backward runs before any of the
+  pass through ``_OnBackward`` (entering), whose backward runs before any of the
   module's backward nodes (they consume its outputs) and enters the
   module's backward. (One autograd node per call: a multi-grad hook costs
   ~90 us per module call in handle bookkeeping, measured.)
-- ``_BackwardExit.backward``: leave the module's backward. A module whose
-  inputs need no gradient never gets there; the fetcher closes it at the end
-  of backward.
+- the leaving ``_OnBackward`` node's backward: leave the module's backward.
+  A module whose inputs need no gradient never gets there; the fetcher
+  closes it at the end of backward.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -55,28 +55,19 @@ def register_module_hooks(fetcher: ParamFetcher, modules: dict[int, torch.nn.Mod
     return handles
 
 
-class _BackwardEntry(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, calls ``event()`` and passes the
+    gradients on."""
+
     @staticmethod
-    def forward(ctx: Any, fetcher: ParamFetcher, call: ModuleCall, *tensors: torch.Tensor):
-        ctx.fetcher, ctx.call = fetcher, call
+    def forward(ctx: Any, event: Callable[[], None], *tensors: torch.Tensor):
+        ctx.event = event
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        ctx.fetcher.enter_backward(ctx.call)
-        return (None, None, *grads)
-
-
-class _BackwardExit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, fetcher: ParamFetcher, call: ModuleCall, *tensors: torch.Tensor):
-        ctx.fetcher, ctx.call = fetcher, call
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor):
-        ctx.fetcher.exit_backward(ctx.call)
-        return (None, None, *grads)
+        ctx.event()
+        return (None, *grads)
 
 
 def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -96,7 +87,8 @@ def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple,
     where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not where:
         return None
-    passed = _BackwardExit.apply(fetcher, call, *(flat[i] for i in where))
+    leave = functools.partial(fetcher.exit_backward, call)
+    passed = _OnBackward.apply(leave, *(flat[i] for i in where))
     for i, t in zip(where, passed):
         flat[i] = t
     return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args) :]))
@@ -104,13 +96,14 @@ def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple,
 
 def _through_backward_entry(fetcher: ParamFetcher, call: ModuleCall, output: Any) -> Any:
     """``output`` with its grad-requiring tensors passed through one
-    _BackwardEntry node (None, keeping ``output``, when there are none)."""
+    entering _OnBackward node (None, keeping ``output``, when there are none)."""
     if not torch.is_grad_enabled():
         return None
     tensors = [t for t in _tensors_in(output) if t.requires_grad]
     if not tensors:
         return None
-    passed = dict(zip(map(id, tensors), _BackwardEntry.apply(fetcher, call, *tensors)))
+    entered = _OnBackward.apply(functools.partial(fetcher.enter_backward, call), *tensors)
+    passed = dict(zip(map(id, tensors), entered))
     return _replace_tensors(output, passed)
 
 
