@@ -125,17 +125,13 @@ class FP16Config(_Section):
 
 class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu"] = "none"
-    pin_memory: bool = False
+    pin_memory: bool = False  # page-locked master shards (on a GPU machine)
 
 
 class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    allgather_partitions: bool = True
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     # Stage 3, in parameter elements (DeepSpeed's names and defaults).
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)

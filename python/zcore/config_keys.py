@@ -18,6 +18,16 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     ),
     "zero_optimization.offload_param": (_ANY, "parameter offload comes with ZeRO stage 3"),
     "zero_optimization.sub_group_size": (_ANY, "optimizer sub-groups come with NVMe offload"),
+    "zero_optimization.overlap_comm": (
+        True,
+        "zcore always overlaps gradient reduction with backward",
+    ),
+    "zero_optimization.contiguous_gradients": (
+        True,
+        "zcore always reduces from contiguous unit buffers",
+    ),
+    "zero_optimization.reduce_scatter": (True, "zcore always reduce-scatters gradients"),
+    "zero_optimization.allgather_partitions": (True, "zcore always all-gathers whole units"),
     "zero_optimization.round_robin_gradients": (
         False,
         "zcore's bucket layout gives each rank an equal share without it",

@@ -84,7 +84,10 @@ def initialize(
         _place_and_synchronise(model, context)
         groups = collect_param_groups(model, optimizer, model_parameters)
         units = layouts = _pack(groups, cfg, context)
-    master = MasterShards(units, _master_device(cfg, context))
+    offload = cfg.zero_optimization.offload_optimizer
+    # torch can pin host memory only where CUDA is available.
+    pin = offload.device == "cpu" and offload.pin_memory and context.device.type == "cuda"
+    master = MasterShards(units, _master_device(cfg, context), pin_memory=pin)
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, groups, master.piece_of())
@@ -163,12 +166,14 @@ def _write_master(master: MasterShards, units: list[Unit], group: ShardedGroup) 
 
 
 def _pack(groups: ParamGroups, cfg: Config, context: comm.DistributedContext) -> list[FlatUnit]:
-    stage = cfg.zero_optimization.stage
+    zero = cfg.zero_optimization
+    stage = zero.stage
     num_shards = 1 if stage == 0 else context.world_size
     shard_index = 0 if stage == 0 else context.rank
     return pack_units(
         groups.trainable,
-        cfg.zero_optimization.reduce_bucket_size,
+        # Units serve both the reduce-scatter and the all-gather.
+        min(zero.reduce_bucket_size, zero.allgather_bucket_size),
         num_shards,
         shard_index,
         context.device,

@@ -34,11 +34,13 @@ class StepResult:
 class MasterShards:
     """fp32 master copies of this rank's shards and the pieces viewing them."""
 
-    def __init__(self, units: list[Unit], device: torch.device) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, pin_memory: bool = False) -> None:
         self.units = units
         self.shards = [
             u.local_shard.detach().to(device=device, dtype=torch.float32, copy=True) for u in units
         ]
+        if pin_memory:  # offloaded shards: page-locked for fast copies to and from the GPU
+            self.shards = [s.pin_memory() for s in self.shards]
         # pieces[u][k] views self.shards[u] for units[u].pieces[k].
         self.pieces = [
             [

@@ -85,6 +85,7 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
         ({"amp": {"enabled": True}}, r"'amp'.*zcore does not support.*bf16.enabled"),
         ({"activation_checkpointing": {}}, r"'activation_checkpointing'.*does not support"),
         ({"wall_clock_breakdown": True}, r"'wall_clock_breakdown' = True"),
+        ({"zero_optimization": {"overlap_comm": False}}, r"'zero_optimization.overlap_comm' = False.*always overlaps"),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage"),
         ({"zero_optimization": {"stage3_max_live_parameters": -1}}, r"stage3_max_live_parameters"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param"),
