@@ -10,6 +10,9 @@ from zcore.arena import Arena, Block
 from zcore.config import Config
 from zcore.engine import Engine
 from zcore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
     ConfigError,
     CudaError,
     CudaUnavailableError,
@@ -38,6 +41,9 @@ __all__ = [
     "AioEngine",
     "Arena",
     "Block",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "Config",
     "ConfigError",
     "CudaError",

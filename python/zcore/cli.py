@@ -16,6 +16,36 @@ def demo(args: argparse.Namespace, rest: list[str]) -> int:
     return subprocess.call(command)
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def size_in_bytes(text: str) -> int:
+    """'5GB', '500MiB' or a plain number of bytes."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number):].upper()
+    if unit not in _UNITS or not number.replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MiB or 1000000")
+    return int(float(number) * _UNITS[unit])
+
+
+def consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from zcore.checkpoint import consolidate as write
+
+    files = write(
+        args.checkpoint,
+        args.output,
+        tag=args.tag,
+        dtype=getattr(torch, _DTYPES[args.dtype]),
+        max_shard_bytes=args.max_shard_size,
+    )
+    for path in files:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zcore", description="zcore: ZeRO memory engine for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -23,7 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="train a small GPT with ZeRO-3 on local ranks (extra options: --steps, --micro-batch)"
     )
     demo_parser.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    merge = commands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint as one state dict (safetensors), streaming tensor by tensor",
+    )
+    merge.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
+    merge.add_argument("output", help="directory for model.safetensors (or its split files and index)")
+    merge.add_argument("--tag", default=None, help="tag to consolidate (default: the one in 'latest')")
+    merge.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="floating-point dtype (default fp32)")
+    merge.add_argument("--max-shard-size", type=size_in_bytes, default=5 * 2**30,
+                       help="largest output file, e.g. 5GB or 2GiB (default 5GiB)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "consolidate":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return consolidate(args)
     return demo(args, rest)
 
 

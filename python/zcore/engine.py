@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from pathlib import Path
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
+from zcore import checkpoint
 from zcore.comm import DistributedContext
 from zcore.config import Config
 from zcore.partition import FlatUnit
@@ -190,6 +192,37 @@ class Engine:
         """Stage 3: zcore.param_fetcher.GatherStats (gathers, prefetch hits and
         misses, peak live elements, arena fallbacks, ...); None otherwise."""
         return self.residency.stats()
+
+    # Checkpoints (zcore.checkpoint).
+    def save_checkpoint(
+        self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None
+    ) -> Path:
+        """Every rank writes its ranges of the fp32 weights and optimizer
+        states (safetensors) beside JSON metadata; ``tag`` defaults to
+        ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
+        every rank, at an accumulation boundary. Returns the tag directory."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: Union[str, Path],
+        tag: Optional[str] = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Optional[Path], Any]:
+        """Loads a checkpoint saved at any world size, stage or offload
+        setting (the tag in ``load_dir/latest`` by default). Returns (tag
+        directory, client_state), or (None, None) when there is no latest."""
+        return checkpoint.load_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (fp32 master weights, frozen
+        parameters, buffers) on rank 0, gathered one unit at a time; an
+        empty dict on the other ranks. Call it on every rank."""
+        return checkpoint.full_state_dict(self, dtype)
 
     def memory_report(self) -> MemoryReport:
         """Bytes per rank held for parameters, gradients, optimizer states and

@@ -87,6 +87,21 @@ class ConfigError(ZcoreError, ValueError):
     """A config key that is unknown, unsupported, mistyped or inconsistent."""
 
 
+class CheckpointError(ZcoreError, ValueError):
+    """A checkpoint that cannot be saved or loaded here: missing, unsafe
+    paths, a newer format, or state that cannot be stored without pickling."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file whose bytes differ from what was written (checksum
+    mismatch, truncation, unreadable metadata). ``path`` names the file."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another model or optimizer: ``missing``, ``unexpected``
+    and ``reshaped`` list the parameter names that differ."""
+
+
 _BY_STATUS: dict[str, type[ZcoreError]] = {
     "InvalidArgument": InvalidArgumentError,
     "OutOfArena": OutOfArenaError,

@@ -120,6 +120,7 @@ def initialize(
         gradient_clipping=cfg.gradient_clipping,
         world_size=context.world_size,
         publisher=publisher,
+        group_params=[g["params"] for g in groups.groups],
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, context, batch, residency, handles)

@@ -158,16 +158,26 @@ class ParamFetcher:
     def publish(self) -> None:
         """After an optimizer step: the trained groups that stay gathered
         (persistent ones) get the new values in place, in one all-gather."""
-        stale = [
-            g for g in self.groups
-            if g.trainable and self.buffers.persistent[g.index] and self.buffers.holds(g.index)
-        ]
+        self._refresh([g for g in self.groups if g.trainable])
+
+    def reload(self) -> None:
+        """After a checkpoint load replaced the shards: every group that
+        stays gathered, trained or frozen, gets the new values."""
+        self._refresh(self.groups)
+
+    def _refresh(self, groups: list[ShardedGroup]) -> None:
+        stale = [g for g in groups if self.buffers.persistent[g.index] and self.buffers.holds(g.index)]
         if not stale:
             return
         if self.world_size == 1:
             for g in stale:
                 self.buffers.current(g.index).copy_(g.local_shard)
             return
+        # Frozen and trained groups may differ in dtype: one all-gather per dtype.
+        for dtype in dict.fromkeys(g.dtype for g in stale):
+            self._all_gather_into_place([g for g in stale if g.dtype == dtype])
+
+    def _all_gather_into_place(self, stale: list[ShardedGroup]) -> None:
         send = torch.cat([g.local_shard for g in stale])
         recv = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
         comm.all_gather_into(recv, send)

@@ -33,6 +33,7 @@ class Unit(Protocol):
     whole buffer (FlatUnit), stage 3 only this rank's shard (ShardedGroup)."""
 
     params: list[torch.nn.Parameter]
+    shapes: list[torch.Size]  # the parameters' full shapes
     pieces: list[Piece]
     numel: int
     padded_numel: int
@@ -73,6 +74,7 @@ class FlatUnit:
         device: torch.device,
     ) -> None:
         self.params = params
+        self.shapes = [p.shape for p in params]
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.offsets = []

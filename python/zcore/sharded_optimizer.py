@@ -161,6 +161,7 @@ class ShardedOptimizer:
         gradient_clipping: float,
         world_size: int,
         publisher: Publisher,
+        group_params: list[list[torch.nn.Parameter]],
     ) -> None:
         self.inner = inner
         self.master = master
@@ -171,6 +172,9 @@ class ShardedOptimizer:
         self.world_size = world_size
         self.publisher = publisher
         self.units = master.units
+        # The model parameters of each of the user's groups (the inner
+        # optimizer sees only this rank's pieces of them).
+        self.group_params = group_params
 
     @property
     def param_groups(self) -> list[dict]:

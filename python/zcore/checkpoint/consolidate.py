@@ -1,0 +1,81 @@
+"""``zcore consolidate``: one state dict from a sharded checkpoint, offline.
+
+Streams tensor by tensor: each tensor is assembled from the ranges the
+ranks saved, cast, written to the output, and dropped before the next, so
+memory stays near twice the largest tensor however large the model. The
+output is what ``model.state_dict()`` of the original model holds (tied
+parameters under each of their names), as safetensors files split at a
+maximum size with a ``model.safetensors.index.json`` when there are several.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from zcore.checkpoint import durable
+from zcore.checkpoint.layout import tensor_infos
+from zcore.checkpoint.load import read_indexes, read_meta, resolve
+from zcore.checkpoint.saved_ranges import SavedRanges
+from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec, plan_files
+from zcore.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+def consolidate(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    tag: Optional[str] = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    progress: bool = True,
+) -> list[Path]:
+    """Writes the checkpoint's state dict to ``output_dir``; returns the files.
+
+    Floating-point tensors are written in ``dtype`` (fp32 by default: the
+    master weights), others as saved. Load with
+    ``safetensors.torch.load_file`` and ``model.load_state_dict``."""
+    tag_dir = resolve(checkpoint_dir, tag)
+    if tag_dir is None:
+        raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
+    meta = read_meta(tag_dir)
+    infos = tensor_infos(meta["tensors"])
+    keys: dict[str, str] = meta["keys"]
+    specs = [
+        TensorSpec(key, dtype if infos[name].dtype.is_floating_point else infos[name].dtype, infos[name].shape)
+        for key, name in keys.items()
+    ]
+    files = plan_files(specs, max_shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(s.nbytes for s in specs)
+    written = []
+    with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved, tqdm(
+        total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress
+    ) as bar:
+        for name, file_specs in zip(names, files):
+            with TensorFileWriter(out / name, file_specs) as writer:
+                for spec in file_specs:
+                    info = infos[keys[spec.name]]
+                    value = saved.read(keys[spec.name], 0, info.numel).view(info.shape)
+                    writer.write(value.to(spec.dtype))
+                    del value
+                    bar.update(spec.nbytes)
+                writer.commit()
+            written.append(out / name)
+    if len(files) > 1:
+        weight_map = {spec.name: name for name, file_specs in zip(names, files) for spec in file_specs}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        durable.write_bytes(out / INDEX, json.dumps(index, indent=1).encode())
+        written.append(out / INDEX)
+    return written

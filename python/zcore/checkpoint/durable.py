@@ -1,0 +1,159 @@
+"""Writes that survive a crash: a file is complete under its final name or
+absent.
+
+Every file is written under a temporary name in the same directory,
+fsynced, renamed, and the directory fsynced, so a process killed at any
+moment leaves either the old state or the new one. JSON files carry a
+checksum of their own content.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import xxhash
+
+from zcore.errors import CheckpointCorruptError, DiskFullError, DiskIOError
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _io_error(exc: OSError, path: Path, doing: str) -> DiskIOError:
+    if exc.errno in _NO_SPACE:
+        return DiskFullError(
+            f"no space left on the device {doing} {path}: free space or save elsewhere; "
+            "checkpoints already written are untouched",
+            path=str(path),
+            errno=exc.errno,
+        )
+    return DiskIOError(f"{doing} {path} failed: {exc.strerror}", path=str(path), errno=exc.errno)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TempFile:
+    """A file being written as ``.NAME.tmp`` beside ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.temp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _io_error(exc, self.path, "creating") from None
+
+    def write(self, data: memoryview) -> None:
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
+        except OSError as exc:
+            self.abort()
+            raise _io_error(exc, self.path, "writing") from None
+
+    def commit(self) -> None:
+        try:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.rename(self.temp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as exc:
+            self.abort()
+            raise _io_error(exc, self.path, "committing") from None
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.temp.unlink(missing_ok=True)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    file = TempFile(path)
+    file.write(memoryview(data))
+    file.commit()
+
+
+def _canonical(content: object) -> bytes:
+    return json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_json(path: Path, content: dict) -> str:
+    """Writes ``content`` with its checksum; returns the checksum."""
+    checksum = xxhash.xxh3_64_hexdigest(_canonical(content))
+    write_bytes(path, json.dumps({"xxh3_64": checksum, "content": content}, indent=1).encode())
+    return checksum
+
+
+def read_json(path: Path, expected: str | None = None) -> dict:
+    """The content of a file written by ``write_json``, verified (and equal
+    to ``expected`` when given: the checksum an index recorded)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} is missing: the checkpoint is incomplete; load another tag",
+            path=str(path),
+        ) from None
+    try:
+        wrapper = json.loads(raw)
+        checksum, content = wrapper["xxh3_64"], wrapper["content"]
+    except (ValueError, KeyError, TypeError):
+        checksum, content = None, None
+    if (
+        content is None
+        or xxhash.xxh3_64_hexdigest(_canonical(content)) != checksum
+        or (expected is not None and checksum != expected)
+    ):
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} fails its checksum: it changed after it was written (disk "
+            "error, partial copy or edit); restore it from a copy or load an earlier tag",
+            path=str(path),
+        )
+    return content
+
+
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Makes directory ``new`` appear as ``final`` in one atomic step: a
+    crash leaves either the old ``final`` or the new one. The old one is
+    then deleted."""
+    parent = final.parent
+    if not final.exists():
+        os.rename(new, final)
+    else:
+        # Swap both names at once (Linux renameat2); a plain rename cannot
+        # replace a non-empty directory.
+        rc = _libc.renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE)
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise DiskIOError(
+                f"cannot replace checkpoint {final} atomically ({os.strerror(err)}): this filesystem "
+                "lacks renameat2(RENAME_EXCHANGE); save under a new tag instead",
+                path=str(final),
+                errno=err,
+            )
+        fsync_dir(parent)
+        remove_tree(new)
+    fsync_dir(parent)
+
+
+def remove_tree(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)

@@ -1,0 +1,47 @@
+"""``engine.full_state_dict()``: the whole model on rank 0, in process.
+
+Gathered one unit (or ZeRO-3 group) at a time, so that the other ranks
+never hold more than their shards and rank 0 never holds more than the
+result plus one unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zcore.checkpoint.layout import engine_layout
+from zcore.param_fetcher import ParamFetcher
+
+
+def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    layout = engine_layout(engine)
+    rank = engine.context.rank
+    names = {id(p): n for n, p in reversed(list(engine.module.named_parameters()))}
+    values: dict[str, torch.Tensor] = {}
+    optimizer = engine.optimizer
+    flats = list(zip(optimizer.units, optimizer.master.shards))
+    if isinstance(engine.residency, ParamFetcher):
+        flats += [(g, g.local_shard) for g in engine.residency.groups if not g.trainable]
+    for unit, shard in flats:
+        full = _gather(shard, unit.padded_numel, rank)
+        if rank == 0:
+            for i, p in enumerate(unit.params):
+                values[names[id(p)]] = unit.param_slice(full, i).view(unit.shapes[i]).cpu().clone()
+    if rank != 0:
+        return {}
+    for slot in layout.slots:  # whole frozen parameters (stages 0-2) and buffers
+        if slot.name not in values:
+            values[slot.name] = slot.data.view(layout.tensors[slot.name].shape).cpu().clone()
+    cast = {n: (v.to(dtype) if v.is_floating_point() else v) for n, v in values.items()}
+    return {key: cast[name] for key, name in layout.keys.items()}
+
+
+def _gather(shard: torch.Tensor, padded_numel: int, rank: int) -> torch.Tensor:
+    if shard.numel() == padded_numel:  # unsharded (stage 0 or a world of one)
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(padded_numel // shard.numel())] if rank == 0 else None
+    dist.gather(shard.contiguous(), parts, dst=0)
+    return torch.cat(parts) if rank == 0 else shard

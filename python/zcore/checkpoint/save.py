@@ -1,0 +1,155 @@
+"""``engine.save_checkpoint``: every rank writes its ranges in parallel.
+
+Order of a save, each step durable before the next:
+1. rank 0 creates the staging directory ``.TAG.partial``;
+2. every rank writes its weights file, its state file, then its index
+   (ranges and checksums of both), each through a temporary name;
+3. once every rank succeeded, rank 0 writes ``meta.json`` (with the
+   checksums of the indexes), renames the staging directory to TAG in one
+   atomic step, then replaces ``latest``.
+A save killed anywhere before the rename leaves the previous checkpoints
+and ``latest`` as they were; a failure on any rank fails the save on all.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zcore import comm
+from zcore.checkpoint import directory, durable, training_state
+from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout
+from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
+from zcore.errors import CheckpointError
+
+log = logging.getLogger("zcore")
+
+
+def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> Path:
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        raise CheckpointError(
+            f"save_checkpoint was called after micro-step {engine.micro_steps}, inside a gradient "
+            f"accumulation window of {engine.gradient_accumulation_steps()}: the partial gradients "
+            "would be lost; save right after the engine.step() that ends the window"
+        )
+    tag = directory.check_name(tag if tag is not None else f"global_step{engine.global_steps}", "tag")
+    client = training_state.encode_client_state(client_state)
+    root = Path(save_dir)
+    rank = engine.context.rank
+    staging = directory.staging_dir(root, tag)
+    failure = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            durable.remove_tree(staging)  # left by a save that was killed
+            staging.mkdir()
+        except OSError as exc:
+            failure = CheckpointError(f"cannot create checkpoint directory {staging}: {exc.strerror}")
+    comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError)
+
+    layout = engine_layout(engine)
+    index_checksum = None
+    try:
+        index_checksum = _write_rank(engine, layout, staging, rank, client[1])
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+        failure = exc
+    checksums = comm.all_gather_strings(index_checksum)
+    _agree(failure, "writing the checkpoint", rank, staging)
+
+    if rank == 0:
+        try:
+            durable.write_json(staging / directory.META, _meta(engine, layout, tag, checksums, client[0]))
+            durable.replace_dir(staging, root / tag)
+            durable.write_bytes(root / directory.LATEST, tag.encode())
+        except BaseException as exc:  # noqa: BLE001
+            failure = exc
+    _agree(failure, "committing the checkpoint", rank, staging)
+    log.info("zcore: saved checkpoint %s", root / tag)
+    return root / tag
+
+
+def _agree(failure: Optional[BaseException], doing: str, rank: int, staging: Path) -> None:
+    try:
+        comm.raise_if_any_failed(failure, doing, CheckpointError)
+    except BaseException:
+        if rank == 0:
+            durable.remove_tree(staging)
+        raise
+
+
+def _write_rank(
+    engine: Any, layout: EngineLayout, staging: Path, rank: int, client_tensors: dict[str, torch.Tensor]
+) -> str:
+    saved = [s for s in layout.slots if s.saves]
+    specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
+    with TensorFileWriter(staging / directory.weights_file(rank), specs) as writer:
+        for slot in saved:
+            writer.write(slot.data)
+        weights = writer.commit()
+    ranges = {s.name: {"file": "weights", "of": s.name, "start": s.start, "stop": s.stop} for s in saved}
+
+    state_tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
+    inner = engine.optimizer.inner
+    for slot in saved:
+        if layout.tensors[slot.name].role != TRAINED or slot.piece not in inner.state:
+            continue
+        ranged, scalar = training_state.split_state(inner.state[slot.piece], slot.data.numel(), slot.name)
+        for key, value in ranged.items():
+            state_tensors[f"{slot.name}::{key}"] = value
+            ranges[f"{slot.name}::{key}"] = {"file": "state", "of": slot.name, "state": key,
+                                             "start": slot.start, "stop": slot.stop}
+        scalars[slot.name] = scalar
+    rng, rng_tensors = training_state.rng_state(engine.context.device)
+    state_tensors.update(rng_tensors)
+    if rank == 0:
+        state_tensors.update(client_tensors)
+    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in state_tensors.items()]
+    with TensorFileWriter(staging / directory.state_file(rank), specs) as writer:
+        for value in state_tensors.values():
+            writer.write(value)
+        state = writer.commit()
+
+    index = {
+        "rank": rank,
+        "files": {"weights": weights.to_json(), "state": state.to_json()},
+        "ranges": ranges,
+        "scalars": scalars,
+        "rng": rng,
+    }
+    return durable.write_json(staging / directory.rank_index(rank), index)
+
+
+def _meta(engine: Any, layout: EngineLayout, tag: str, checksums: list, client_json: Any) -> dict:
+    optimizer = engine.optimizer
+    offload = engine.config.zero_optimization.offload_optimizer.device
+    return {
+        "format": directory.FORMAT,
+        "version": directory.VERSION,
+        "tag": tag,
+        "world_size": engine.context.world_size,
+        "zero_stage": engine.zero_stage,
+        "offload_optimizer": offload,
+        "compute_dtype": str(optimizer.precision.compute_dtype).removeprefix("torch."),
+        "config": engine.config.model_dump(mode="json"),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "tensors": describe(layout.tensors),
+        "keys": layout.keys,
+        "optimizer": {
+            "kind": training_state.optimizer_kind(optimizer.inner),
+            "groups": layout.groups,
+            "hyperparameters": training_state.hyperparameters(optimizer.inner),
+        },
+        "loss_scaler": optimizer.precision.scaler.state_dict(),
+        "lr_scheduler": training_state.scheduler_state(engine.lr_scheduler),
+        "client_state": client_json,
+        "ranks": checksums,
+    }

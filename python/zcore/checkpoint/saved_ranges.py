@@ -1,0 +1,109 @@
+"""Reads any element range of any saved tensor, whichever ranks wrote it.
+
+Every rank's index lists the ranges its files hold, per tensor (and per
+optimizer state key). To fill a range of the current layout, the reader
+walks the saved ranges that overlap it, reading each saved tensor whole
+(verifying its checksum) straight into the destination when it lies inside
+it, else into scratch memory from which the overlap is copied. Memory beyond
+the destination is at most one saved range.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from zcore.checkpoint import directory
+from zcore.checkpoint.tensor_file import FileRecord, TensorFileReader
+from zcore.errors import CheckpointCorruptError
+
+
+@dataclass(frozen=True)
+class _Saved:
+    start: int
+    stop: int
+    file: tuple[int, str]  # (rank, "weights" | "state")
+    key: str  # the tensor's name in that file
+
+
+class SavedRanges:
+    def __init__(self, tag_dir: Path, indexes: list[dict]) -> None:
+        self.tag_dir = tag_dir
+        self._records: dict[tuple[int, str], FileRecord] = {}
+        self._saved: dict[tuple[str, Optional[str]], list[_Saved]] = defaultdict(list)
+        for rank, index in enumerate(indexes):
+            for kind, record in index["files"].items():
+                record = FileRecord.from_json(record)
+                directory.check_name(record.name, "a file name in the checkpoint index")
+                self._records[(rank, kind)] = record
+            for key, r in index["ranges"].items():
+                self._saved[(r["of"], r.get("state"))].append(_Saved(r["start"], r["stop"], (rank, r["file"]), key))
+        for ranges in self._saved.values():
+            ranges.sort(key=lambda s: s.start)
+        self._starts = {k: [s.start for s in v] for k, v in self._saved.items()}
+        self._readers: dict[tuple[int, str], TensorFileReader] = {}
+
+    def has(self, name: str, state: Optional[str] = None) -> bool:
+        return (name, state) in self._saved
+
+    def state_keys(self, name: str) -> list[str]:
+        return [s for (n, s) in self._saved if n == name and s is not None]
+
+    def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
+        """Elements [start, stop) of saved tensor ``name`` (or of its optimizer state ``state``)."""
+        ranges = self._saved.get((name, state), [])
+        first = max(0, bisect.bisect_right(self._starts.get((name, state), []), start) - 1)
+        out: Optional[torch.Tensor] = None
+        position = start
+        for saved in ranges[first:]:
+            if position >= stop or saved.start > position:
+                break
+            if saved.stop <= position:
+                continue
+            reader = self._reader(saved.file)
+            hi = min(stop, saved.stop)
+            if out is None:
+                out = torch.empty(stop - start, dtype=reader.entries[saved.key].dtype)
+            target = out[position - start : hi - start]
+            if saved.start == position and saved.stop == hi:
+                reader.read(saved.key, out=target)
+            else:
+                whole = reader.read(saved.key)
+                target.copy_(whole[position - saved.start : hi - saved.start])
+            position = hi
+        if position < stop or out is None:
+            what = name if state is None else f"optimizer state {state!r} of {name}"
+            raise CheckpointCorruptError(
+                f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: a rank's "
+                "files are missing from its index; the checkpoint is incomplete, load another tag",
+                path=str(self.tag_dir),
+            )
+        return out
+
+    def read_whole(self, rank: int, kind: str, key: str) -> torch.Tensor:
+        """Tensor ``key`` of rank ``rank``'s ``kind`` file (RNG, client tensors)."""
+        return self._reader((rank, kind)).read(key)
+
+    def _reader(self, file: tuple[int, str]) -> TensorFileReader:
+        reader = self._readers.get(file)
+        if reader is None:
+            record = self._records[file]
+            reader = TensorFileReader(self.tag_dir / record.name, record)
+            self._readers[file] = reader
+        return reader
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> SavedRanges:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()

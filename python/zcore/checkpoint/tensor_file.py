@@ -1,0 +1,256 @@
+"""safetensors files written and read as streams, with a checksum per tensor.
+
+The safetensors library builds a whole file in memory before writing it and
+reads through mmap, where every page touched counts toward the process's
+RSS. Checkpoints and consolidation must stream tensor by tensor, so zcore
+writes the (simple) format itself: the header first, since every name, dtype
+and shape is known up front, then each tensor's bytes straight from its
+memory, hashed on the way. The files remain ordinary safetensors files.
+
+A file's checksums (one for the header, one per tensor: xxh3-64) are
+returned as a ``FileRecord``; whoever indexes the file keeps them, and the
+reader verifies every byte it returns against them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import xxhash
+
+from zcore.checkpoint import durable
+from zcore.errors import CheckpointCorruptError
+
+_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+_ALIGN = 8  # header padding, as the safetensors library writes it
+_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    if dtype not in _CODES:
+        raise TypeError(f"tensors of dtype {dtype} cannot be stored; supported: {sorted(map(str, _CODES))}")
+    return _CODES[dtype]
+
+
+def dtype_of(code: str) -> torch.dtype:
+    return _DTYPES[code]
+
+
+def digest(data: memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What an index keeps about a written file to verify it later."""
+
+    name: str
+    nbytes: int
+    header: str  # checksum of the header bytes
+    tensors: dict[str, str]  # tensor name -> checksum of its bytes
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.nbytes, "header": self.header, "tensors": self.tensors}
+
+    @staticmethod
+    def from_json(value: dict) -> FileRecord:
+        return FileRecord(value["name"], value["bytes"], value["header"], dict(value["tensors"]))
+
+
+def bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def plan_files(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    """``specs`` in order, split into files of at most ``max_bytes`` of data
+    (a larger tensor gets a file of its own)."""
+    files: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        if not files or (files[-1] and size + spec.nbytes > max_bytes):
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += spec.nbytes
+    return files
+
+
+class TensorFileWriter:
+    """Writes ``specs``' tensors, in that order, to ``path`` through a
+    temporary name: ``write`` each tensor, then ``commit`` (fsync, rename)."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
+        self.path = Path(path)
+        self.specs = specs
+        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for spec in specs:
+            header[spec.name] = {
+                "dtype": dtype_code(spec.dtype),
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % _ALIGN)
+        self._file = durable.TempFile(self.path)
+        head = struct.pack("<Q", len(raw)) + raw
+        self._file.write(memoryview(head))
+        self._header_digest = digest(memoryview(head))
+        self._nbytes = len(head) + offset
+        self._digests: dict[str, str] = {}
+
+    def write(self, tensor: torch.Tensor) -> None:
+        spec = self.specs[len(self._digests)]
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{self.path.name}: tensor {spec.name!r} should be {spec.dtype} of shape {spec.shape}, "
+                f"got {tensor.dtype} of shape {tuple(tensor.shape)}"
+            )
+        data = bytes_of(tensor.detach().contiguous().cpu())
+        self._digests[spec.name] = digest(data)
+        for start in range(0, len(data), _CHUNK):
+            self._file.write(data[start : start + _CHUNK])
+
+    def commit(self) -> FileRecord:
+        if len(self._digests) != len(self.specs):
+            missing = [s.name for s in self.specs[len(self._digests) :]]
+            raise RuntimeError(f"{self.path.name}: tensors {missing[:3]} were never written")
+        self._file.commit()
+        return FileRecord(self.path.name, self._nbytes, self._header_digest, self._digests)
+
+    def abort(self) -> None:
+        self._file.abort()
+
+    def __enter__(self) -> TensorFileWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+    nbytes: int
+
+
+class TensorFileReader:
+    """Reads tensors of one file, each verified against ``record`` (when
+    given: checkpoints always give it; a file from elsewhere may not)."""
+
+    def __init__(self, path: Path, record: Optional[FileRecord] = None) -> None:
+        self.path = Path(path)
+        self.record = record
+        self._file = open(self.path, "rb", buffering=0)
+        try:
+            self.entries = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_header(self) -> dict[str, _Entry]:
+        size = os.fstat(self._file.fileno()).st_size
+        if self.record is not None and size != self.record.nbytes:
+            raise self._corrupt(f"is {size} bytes long, {self.record.nbytes} were written")
+        head = self._file.read(8)
+        if len(head) != 8:
+            raise self._corrupt("ends inside its header")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise self._corrupt("declares a header longer than the file")
+        raw = self._file.read(length)
+        if self.record is not None and digest(memoryview(head + raw)) != self.record.header:
+            raise self._corrupt("fails the checksum of its header")
+        try:
+            header = json.loads(raw)
+            entries = {}
+            for name, value in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = value["data_offsets"]
+                entries[name] = _Entry(dtype_of(value["dtype"]), tuple(value["shape"]), 8 + length + begin, end - begin)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise self._corrupt(f"has an unreadable header ({exc})") from None
+        return entries
+
+    def read(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor ``name``, into ``out`` (a contiguous CPU tensor with as
+        many bytes) when given; verified before it is returned."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise self._corrupt(f"lacks tensor {name!r} that its index lists")
+        if out is None:
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+        if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"{self.path.name}: cannot read {name!r} ({entry.dtype}) into {out.dtype} {out.device}")
+        view = bytes_of(out)
+        if len(view) != entry.nbytes:
+            raise self._corrupt(f"holds {entry.nbytes} bytes for tensor {name!r}, its index says {len(view)}")
+        self._file.seek(entry.start)
+        done = 0
+        while done < entry.nbytes:
+            n = self._file.readinto(view[done:])
+            if not n:
+                raise self._corrupt(f"ends inside tensor {name!r}")
+            done += n
+        if self.record is not None:
+            expected = self.record.tensors.get(name)
+            if expected is None or digest(view) != expected:
+                raise self._corrupt(f"fails the checksum of tensor {name!r}")
+        return out
+
+    def _corrupt(self, what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"checkpoint file {self.path} {what}: it changed after it was written (disk error, partial "
+            "copy or edit); restore it from a copy or load an earlier tag",
+            path=str(self.path),
+        )
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TensorFileReader:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
