@@ -72,7 +72,23 @@ class MixedUse(nn.Module):
         return self.head(h) + 0.1 * F.linear(h, self.head.weight)
 
 
-MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP, "mix": MixedUse}
+class NormMLP(nn.Module):
+    """Buffers that change as it trains (batch norm's running statistics,
+    an int64 counter among them) and a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.frozen(torch.tanh(self.norm(self.inp(x))))))
+
+
+MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP, "mix": MixedUse, "norm": NormMLP}
 
 
 def make_model(name: str) -> nn.Module:

@@ -1,0 +1,181 @@
+"""Sharded checkpoints: resume at another world size, stage or offload setting,
+and every piece of training state restored.
+
+The reference is the uninterrupted run: it saves after step 5 and goes on;
+runs resumed from that checkpoint at other world sizes must produce the same
+losses (fp32, within 1e-6 relative) on the same global batches.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcore
+from distributed import run_ranks
+from models import forward, global_batch, loss_of, make_model
+from training import rows, zcore_config
+
+BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks
+SAVE_AT, STEPS = 5, 10
+RELATIVE = 1e-6
+
+
+def config(stage: int, offload: bool = False, **extra) -> dict:
+    return zcore_config(stage, 1, 1.0, offload=offload, train_batch_size=BATCH, **extra)
+
+
+def train(engine, name: str, rank: int, world: int, steps: range, save_dir=None, save_at=None) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = global_batch(name, step, BATCH)
+        part = rows(rank, world, BATCH)
+        loss = loss_of(name, forward(name, engine, x[part], step, rank), y[part])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if step + 1 == save_at:
+            engine.save_checkpoint(save_dir)
+    return losses
+
+
+def uninterrupted(rank: int, world: int, name: str, cfg: dict, save_dir: str) -> list[float]:
+    engine, *_ = zcore.initialize(model=make_model(name), config=cfg)
+    return train(engine, name, rank, world, range(STEPS), save_dir, SAVE_AT)
+
+
+def resumed(rank: int, world: int, name: str, cfg: dict, load_dir: str) -> dict:
+    engine, *_ = zcore.initialize(model=make_model(name), config=cfg)
+    path, _ = engine.load_checkpoint(load_dir)
+    steps_at_load = engine.global_steps
+    losses = train(engine, name, rank, world, range(SAVE_AT, STEPS))
+    return {"path": str(path), "steps_at_load": steps_at_load, "losses": losses}
+
+
+def assert_same_losses(got: list[float], ref: list[float], label: str) -> None:
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) <= RELATIVE * abs(b), f"{label}: step {SAVE_AT + step} loss {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resumes_at_other_world_sizes(stage: int, tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_ranks(uninterrupted, 2, "gpt", config(stage), ckpt)[0]
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{SAVE_AT}"
+    for world in (1, 3, 4):
+        got = run_ranks(resumed, world, "gpt", config(stage), ckpt, timeout=400)
+        assert got[0]["steps_at_load"] == SAVE_AT
+        assert_same_losses(got[0]["losses"], ref[SAVE_AT:], f"stage {stage}, 2 -> {world} ranks")
+
+
+def test_resumes_with_another_stage_and_offload(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_ranks(uninterrupted, 2, "gpt", config(1), ckpt)[0]
+    got = run_ranks(resumed, 3, "gpt", config(3, offload=True), ckpt)
+    assert_same_losses(got[0]["losses"], ref[SAVE_AT:], "stage 1 -> stage 3 with CPU offload")
+    # And back: an offloaded (zcore CPU Adam) checkpoint into torch's AdamW on stage 2.
+    ckpt2 = str(tmp_path / "ckpt2")
+    ref2 = run_ranks(uninterrupted, 2, "gpt", config(3, offload=True), ckpt2)[0]
+    got2 = run_ranks(resumed, 1, "gpt", config(2), ckpt2)
+    assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "stage 3 offload -> stage 2")
+
+
+def state_at_save_and_load(rank: int, world: int, save_cfg: dict, load_cfg: dict, ckpt: str, phase: str) -> dict:
+    """Phase "save": trains the NormMLP (buffers, frozen layer) 3 steps,
+    saves, returns the full state. Phase "load": returns the full state
+    right after loading into a fresh engine of ``load_cfg``."""
+    cfg = save_cfg if phase == "save" else load_cfg
+    engine, *_ = zcore.initialize(model=make_model("norm"), config=cfg)
+    if phase == "save":
+        train(engine, "norm", rank, world, range(3))
+        engine.save_checkpoint(ckpt, tag="norm")
+    else:
+        engine.load_checkpoint(ckpt, tag="norm")
+    state = engine.full_state_dict()
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        live = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return {"full": state, "live": live}
+
+
+@pytest.mark.parametrize(("save_stage", "load_stage", "load_world"), [(3, 2, 2), (2, 3, 3), (1, 0, 1)])
+def test_frozen_parameters_and_buffers_are_restored(
+    save_stage: int, load_stage: int, load_world: int, tmp_path: Path
+) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(state_at_save_and_load, 2, config(save_stage), None, ckpt, "save")[0]["full"]
+    assert saved["norm.num_batches_tracked"].item() == 3  # the buffers did change
+    loaded = run_ranks(state_at_save_and_load, load_world, None, config(load_stage), ckpt, "load")
+    assert loaded[0]["full"].keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[0]["full"][key], value), key
+    for rank_state in loaded:  # every rank's live module has the values
+        for key, value in saved.items():
+            assert torch.equal(rank_state["live"][key], value.float()), key
+
+
+def training_state_round_trip(rank: int, world: int, ckpt: str, phase: str) -> dict:
+    cfg = config(
+        2,
+        fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
+    )
+    engine, *_ = zcore.initialize(model=make_model("gpt"), config=cfg)
+    client = None
+    if phase == "save":
+        train(engine, "gpt", rank, world, range(4))
+        random.seed(7 + rank)
+        np.random.seed(11 + rank)
+        torch.manual_seed(13 + rank)
+        engine.save_checkpoint(ckpt, client_state={"epoch": 3, "ids": torch.arange(4), "nested": [{"a": 1.5}]})
+    else:
+        _, client = engine.load_checkpoint(ckpt)
+    pieces = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    return {
+        "counters": (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps),
+        "loss_scale": engine.loss_scale,
+        "scaler": engine.optimizer.precision.scaler.state_dict(),
+        "lr": engine.get_lr(),
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "rng": (random.random(), float(np.random.rand()), torch.rand(3)),
+        "adam": [{k: v.clone() for k, v in engine.optimizer.state[p].items()} for p in pieces],
+        "client": client,
+    }
+
+
+def test_training_state_is_restored(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(training_state_round_trip, 2, ckpt, "save")
+    loaded = run_ranks(training_state_round_trip, 2, ckpt, "load")
+    for rank in range(2):
+        s, got = saved[rank], loaded[rank]
+        for key in ("counters", "loss_scale", "scaler", "lr", "scheduler"):
+            assert got[key] == s[key], key
+        assert got["rng"][:2] == s["rng"][:2] and torch.equal(got["rng"][2], s["rng"][2])
+        assert len(got["adam"]) == len(s["adam"])
+        for a, b in zip(got["adam"], s["adam"]):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+        assert got["client"]["epoch"] == 3 and got["client"]["nested"] == [{"a": 1.5}]
+        assert torch.equal(got["client"]["ids"], torch.arange(4))
+    assert saved[0]["rng"][:2] != saved[1]["rng"][:2]  # per-rank states, not one copy
+
+
+def test_weights_are_readable_without_optimizer_files(tmp_path: Path) -> None:
+    """fp32 weights live apart from optimizer states: consolidation reads
+    only the weights files."""
+    ckpt = tmp_path / "ckpt"
+    run_ranks(uninterrupted, 2, "gpt", config(3), str(ckpt))
+    tag = ckpt / f"global_step{SAVE_AT}"
+    for f in tag.glob("state-*.safetensors"):
+        f.unlink()
+    files = zcore.checkpoint.consolidate(ckpt, tmp_path / "out", progress=False)
+    assert [f.name for f in files] == ["model.safetensors"]
