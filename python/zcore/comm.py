@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zcore import errors
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -122,10 +124,14 @@ def raise_if_any_failed(
     """A collective: raises ``error`` on the rank that had it and, on every
     other rank, an error naming the rank that failed, so that no rank goes
     on (or waits forever) while another gave up."""
-    messages = all_gather_strings(None if error is None else f"{type(error).__name__}: {error}")
+    messages = all_gather_strings(None if error is None else f"{type(error).__name__}\n{error}")
     if error is not None:
         raise error
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
-        raise error_type(f"{doing} failed on rank {rank}: {message}")
+        name, text = message.split("\n", 1)
+        # The same zcore error class on every rank, so callers can catch it alike.
+        same = getattr(errors, name, None)
+        kind = same if isinstance(same, type) and issubclass(same, errors.ZcoreError) else error_type
+        raise kind(f"{doing} failed on rank {rank}: {text}")
