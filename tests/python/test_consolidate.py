@@ -1,0 +1,126 @@
+"""Consolidation of a sharded checkpoint: ``zcore consolidate`` and
+``engine.full_state_dict()`` give exactly the gathered parameters, and
+consolidation streams (peak memory near twice the largest tensor)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import zcore
+from distributed import run_ranks
+from models import forward, global_batch, loss_of, make_model
+from training import zcore_config
+
+
+def train_and_save(rank: int, world: int, name: str, stage: int, ckpt: str) -> dict:
+    engine, *_ = zcore.initialize(model=make_model(name), config=zcore_config(stage, 1, 1.0))
+    for step in range(3):
+        x, y = global_batch(name, step, 8)
+        part = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        engine.backward(loss_of(name, forward(name, engine, x[part], step, rank), y[part]))
+        engine.step()
+    engine.save_checkpoint(ckpt)
+    full = engine.full_state_dict()
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        gathered = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return {"full": full, "gathered": gathered}
+
+
+@pytest.mark.parametrize(("name", "stage"), [("gpt", 3), ("mix", 2)])
+def test_consolidated_equals_gathered_parameters(name: str, stage: int, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    result = run_ranks(train_and_save, 2, name, stage, str(ckpt))
+    full, gathered = result[0]["full"], result[0]["gathered"]
+    assert result[1]["full"] == {}  # gathered to rank 0 only
+    files = zcore.checkpoint.consolidate(ckpt, tmp_path / "out", progress=False)
+    consolidated = load_file(files[0])
+    assert consolidated.keys() == gathered.keys() == full.keys()
+    for key, value in gathered.items():
+        assert torch.equal(consolidated[key], value.float()), key
+        assert torch.equal(full[key], value.float()), key
+    model = make_model(name)
+    model.load_state_dict(consolidated)  # strict: every key of the original model
+    if name == "gpt":  # tied: both names carry the same values
+        assert torch.equal(consolidated["lm_head.weight"], consolidated["wte.weight"])
+
+
+def test_bf16_output_split_files_and_the_command(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(train_and_save, 2, "gpt", 3, str(ckpt))
+    reference = load_file(zcore.checkpoint.consolidate(ckpt, tmp_path / "fp32", progress=False)[0])
+    done = subprocess.run(
+        [sys.executable, "-m", "zcore.cli", "consolidate", str(ckpt), str(tmp_path / "bf16"),
+         "--dtype", "bf16", "--max-shard-size", "20KB"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "consolidating" in done.stderr  # the progress bar
+    listed = [Path(line) for line in done.stdout.split()]
+    index = [p for p in listed if p.name == "model.safetensors.index.json"]
+    shards = sorted(p for p in listed if p.suffix == ".safetensors")
+    assert index and len(shards) > 1
+    assert all(p.stat().st_size <= 20_000 + 4096 or len(load_file(p)) == 1 for p in shards)
+    merged = {k: v for p in shards for k, v in load_file(p).items()}
+    assert merged.keys() == reference.keys()
+    for key, value in reference.items():
+        assert merged[key].dtype == torch.bfloat16
+        assert torch.equal(merged[key], value.to(torch.bfloat16)), key
+    if shutil.which("zcore") is not None:  # the console script, where installed on PATH
+        help_text = subprocess.run(["zcore", "consolidate", "--help"], capture_output=True, text=True, timeout=120)
+        assert "--max-shard-size" in help_text.stdout
+
+
+class ManyParameters(nn.Module):
+    """101 tensors, 208 MB: 100 of 2 MB and the largest of 8 MB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.many = nn.ParameterList([nn.Parameter(torch.full((512, 1024), float(i))) for i in range(100)])
+        self.largest = nn.Parameter(torch.ones(2048, 1024))
+
+
+def save_many(rank: int, world: int, ckpt: str) -> None:
+    engine, *_ = zcore.initialize(model=ManyParameters(), config=zcore_config(3, 1, 1.0))
+    engine.save_checkpoint(ckpt)
+
+
+PEAK_SCRIPT = """
+import sys
+from pathlib import Path
+import zcore.checkpoint
+
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+try:
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+    base = status("VmRSS")
+except OSError:
+    base = status("VmHWM")
+zcore.checkpoint.consolidate(sys.argv[1], sys.argv[2], progress=False)
+print(status("VmHWM") - base)
+"""
+
+
+def test_consolidation_streams(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(save_many, 2, str(ckpt), timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(ckpt), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    growth = int(done.stdout.strip())
+    print(f"consolidation peak RSS growth: {growth / 2**20:.1f} MiB")
+    largest, total = 8 << 20, 208 << 20
+    assert growth <= 2 * largest + (24 << 20), f"peak RSS grew {growth / 2**20:.1f} MiB (model {total >> 20} MiB)"
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert len(out) == 101 and torch.equal(out["many.7"], torch.full((512, 1024), 7.0))
