@@ -101,6 +101,7 @@ def initialize(
         )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
         handles += hooks.register_module_hooks(fetcher, dict(enumerate(m for m, _ in hooked)))
+        handles += hooks.register_backward_exit_hooks(fetcher)
         gathered_parameters.track(fetcher)
         for module in model.modules():
             for param in gathered_parameters.pending_external(module):

@@ -46,14 +46,19 @@ _GATHER, _WAIT, _RELEASE = _C.Action.GATHER, _C.Action.WAIT, _C.Action.RELEASE
 
 class ModuleCall:
     """One call of a hooked module: its backward is entered once (by the
-    first gradient of its outputs) and left once (by the gradient of its
-    inputs, or at the end of backward when its inputs need none)."""
+    first gradient of its outputs) and left once: by the gradient of its
+    inputs or, when its inputs need none, once the gradients of its trained
+    parameters are accumulated (or at the end of backward, when some never
+    come)."""
 
-    __slots__ = ("site", "in_backward")
+    __slots__ = ("site", "in_backward", "awaiting")
 
     def __init__(self, site: int) -> None:
         self.site = site  # coordinator module id
         self.in_backward = False
+        # Inputs took no gradient: how many of its trained parameters'
+        # gradients are still to come. None: left by its inputs' gradient.
+        self.awaiting: Optional[int] = None
 
 
 class _SavedView(NamedTuple):
@@ -116,6 +121,8 @@ class ParamFetcher:
         self._backward_open: dict[int, ModuleCall] = {}  # id(call) -> call
         self._master_writer: Optional[Callable[[ShardedGroup], None]] = None
         self._entering: list[int] = []  # groups of the module being entered
+        # id(param) -> the calls whose backward waits for its gradient.
+        self._awaiting: dict[int, list[ModuleCall]] = {}
 
     # The engine's side: steps.
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -140,6 +147,7 @@ class ParamFetcher:
             return
         for call in list(self._backward_open.values()):
             self.exit_backward(call)
+        self._awaiting.clear()
         self._execute(self.coordinator.end_step())
         notice = self.coordinator.take_departure_notice()
         if notice is not None:
@@ -153,6 +161,7 @@ class ParamFetcher:
     def abort(self) -> None:
         self._forward_stack.clear()
         self._backward_open.clear()
+        self._awaiting.clear()
         self._execute(self.coordinator.abort_step())
 
     def publish(self) -> None:
@@ -202,6 +211,22 @@ class ParamFetcher:
             return
         call.in_backward = False
         self._execute(self.coordinator.after_module(call.site))
+
+    def exit_backward_after_grads(self, call: ModuleCall) -> None:
+        """``call``'s inputs need no gradient, so nothing marks the end of
+        its backward but the gradients of its trained parameters: all of
+        its backward nodes lead to them (note "backward without input
+        gradients" in zcore.hooks)."""
+        call.awaiting = 0
+        self._await_grads(call, self.coordinator.module_groups(call.site))
+
+    def grad_accumulated(self, param: torch.Tensor) -> None:
+        """Autograd accumulates a parameter's gradient once per backward,
+        after every use's contribution: no call waiting for it needs it more."""
+        for call in self._awaiting.pop(id(param), ()):
+            call.awaiting -= 1
+            if call.awaiting == 0:
+                self.exit_backward(call)
 
     # Saved tensors (note "saved views").
     def pack(self, t: torch.Tensor) -> Any:
@@ -288,6 +313,13 @@ class ParamFetcher:
     def reset_peak(self) -> None:
         self.coordinator.reset_peak()
         self.buffers.reset_peak()
+
+    def _await_grads(self, call: ModuleCall, groups: list[int]) -> None:
+        for g in groups:
+            if self.groups[g].trainable:
+                for p in self.groups[g].params:
+                    self._awaiting.setdefault(id(p), []).append(call)
+                    call.awaiting += 1
 
     # Plans.
     def _enter(self, site: int) -> None:

@@ -72,7 +72,29 @@ class MixedUse(nn.Module):
         return self.head(h) + 0.1 * F.linear(h, self.head.weight)
 
 
-MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP, "mix": MixedUse}
+class SideInputs(nn.Module):
+    """Two modules whose inputs take no gradient, side by side: a token
+    embedding (of a token read off the features) and a projection of the
+    raw features, both larger than the rest of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 128)
+        self.side = nn.Linear(16, 128)
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x.argmax(dim=-1)) + self.side(x)
+        return self.head(torch.tanh(h))
+
+
+MODELS = {
+    "gpt": TinyGPT,
+    "mlp": FrozenMLP,
+    "branch": BranchMLP,
+    "mix": MixedUse,
+    "side": SideInputs,
+}
 
 
 def make_model(name: str) -> nn.Module:
