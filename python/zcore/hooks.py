@@ -5,7 +5,8 @@ to the gradient reducer.
 
 Stage 3: a second post-accumulate-grad hook per trained parameter (note
 "backward without input gradients" below), and four module hooks per module
-with parameters, each delegating to the ParamFetcher that owns the state:
+with parameters (and on the model itself), each delegating to the
+ParamFetcher that owns the state:
 - forward pre-hook: enter the module (gather its groups); its tensor inputs
   pass through ``_OnBackward`` (leaving), whose backward runs once autograd has
   computed the gradients of those inputs, i.e. after the module's backward;
@@ -24,6 +25,10 @@ backward when autograd has accumulated all of them: one post-accumulate-grad
 hook per trained parameter tells the fetcher. Without it the call's groups
 would stay gathered until the end of backward (where the fetcher still
 closes calls whose gradients never all came).
+
+The forward post-hook also hands the tensors of the module's output to the
+fetcher, which takes over a parameter returned to the calling module (note
+"external parameters" in zcore.param_fetcher).
 """
 
 from __future__ import annotations
@@ -94,8 +99,9 @@ def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: t
 
 
 def _forward_post(fetcher: ParamFetcher, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
-    call = fetcher.exit_forward()
-    return _through_backward_entry(fetcher, call, output)
+    tensors = _tensors_in(output)
+    call = fetcher.exit_forward(tensors)
+    return _through_backward_entry(fetcher, call, tensors, output)
 
 
 def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple, kwargs: dict):
@@ -113,12 +119,15 @@ def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple,
     return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args) :]))
 
 
-def _through_backward_entry(fetcher: ParamFetcher, call: ModuleCall, output: Any) -> Any:
-    """``output`` with its grad-requiring tensors passed through one
-    entering _OnBackward node (None, keeping ``output``, when there are none)."""
+def _through_backward_entry(
+    fetcher: ParamFetcher, call: ModuleCall, tensors: list[torch.Tensor], output: Any
+) -> Any:
+    """``output`` (holding ``tensors``) with its grad-requiring tensors passed
+    through one entering _OnBackward node (None, keeping ``output``, when
+    there are none)."""
     if not torch.is_grad_enabled():
         return None
-    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    tensors = [t for t in tensors if t.requires_grad]
     if not tensors:
         return None
     entered = _OnBackward.apply(functools.partial(fetcher.enter_backward, call), *tensors)

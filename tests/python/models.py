@@ -72,6 +72,54 @@ class MixedUse(nn.Module):
         return self.head(h) + 0.1 * F.linear(h, self.head.weight)
 
 
+class LearnedQueries(nn.Module):
+    """Returns its parameter, as learned query or position tables do."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.5 * torch.randn(n, d))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class TransposedWeight(nn.Linear):
+    """Returns a view of its weight (its transpose) instead of applying it."""
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.t()
+
+
+class Mixer(nn.Module):
+    """Applies a weight that its child returns, then its own scale."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.proj = TransposedWeight(d, d, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.proj()) * self.scale
+
+
+class ReturnedParams(nn.Module):
+    """Parameters used outside their module, handed over by return values
+    and declared to zcore nowhere: a child returns its parameter to the
+    model (which has no parameters of its own), another returns a view of
+    its weight to a parent with parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = LearnedQueries(4, 16)
+        self.inp = nn.Linear(16, 16)
+        self.mixer = Mixer(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x) + self.queries().mean(0))
+        return self.head(torch.tanh(self.mixer(h)))
+
+
 class SideInputs(nn.Module):
     """Two modules whose inputs take no gradient, side by side: a token
     embedding (of a token read off the features) and a projection of the
@@ -93,6 +141,7 @@ MODELS = {
     "mlp": FrozenMLP,
     "branch": BranchMLP,
     "mix": MixedUse,
+    "returned": ReturnedParams,
     "side": SideInputs,
 }
 
