@@ -47,7 +47,7 @@ import torch
 from zcore import _C, comm
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
-from zcore.recording_checks import ReleasedParameterCheck
+from zcore.recording_checks import END_OF_STEP, RankAgreement, ReleasedParameterCheck, signature
 from zcore.sharded_group import ShardedGroup
 
 log = logging.getLogger("zcore")
@@ -149,6 +149,7 @@ class ParamFetcher:
         self._entering: list[int] = []  # groups of the module being entered
         # id(param) -> the calls whose backward waits for its gradient.
         self._awaiting: dict[int, list[ModuleCall]] = {}
+        self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
         self._released_check = ReleasedParameterCheck(
             self._released, self._describe_param, self._describe_module
         )
@@ -176,6 +177,12 @@ class ParamFetcher:
         gradient (their backward post-hook never fires), then ends the step."""
         if not self.coordinator.in_step:
             return
+        if self._agreement is not None and self.coordinator.recording:
+            try:
+                self._agreement.check(END_OF_STEP, lambda: "the end of the step")
+            except BaseException:
+                self.abort()
+                raise
         for call in list(self._backward_open.values()):
             self.exit_backward(call)
         self._awaiting.clear()
@@ -394,6 +401,12 @@ class ParamFetcher:
         return site
 
     def _enter(self, site: int) -> None:
+        if self._agreement is not None and self.coordinator.unforeseen(site):
+            # Before any gather: ranks that disagree here would hang in it.
+            groups = self.coordinator.module_groups(site)
+            self._agreement.check(
+                signature(groups), lambda: f"{self._site_names[site]} (groups {list(groups)})"
+            )
         self._entering = self.coordinator.module_groups(site)
         try:
             self._execute(self.coordinator.before_module(site))

@@ -1,12 +1,22 @@
-"""ZeRO-3 checks that run only while the coordinator records a trace.
+"""ZeRO-3 checks that run only where no adopted trace vouches for a step.
 
 A trace is recorded on the first step of each trace key and again after a
-step departs from it; the steps in between follow it. A check here turns a
+step departs from it; the steps in between follow it. Both checks turn a
 mistake that would otherwise fail cryptically (a shape error deep inside an
-operator) into an error that names the module, the parameter and the fix.
-It costs something per operator, which is why it runs only while
-recording: a model's structure shows itself on the first step.
+operator) or hang (ranks waiting in different collectives) into an error
+that names the module, the parameter and the fix. They cost something per
+module or per operator, which is why they run only while recording: a
+model's structure shows itself on the first step.
 
+- ``RankAgreement``: before a module gathers at a use no trace foresaw
+  (every use of a recording step, and each departure), every rank must be
+  about to gather the same groups. One all-reduce of (signature, -signature)
+  with MAX tells whether they all agree (the maximum of -s is minus the
+  minimum of s); only when they do not, the ranks exchange what each was
+  running, to say so. Its limit: where some ranks follow their trace and
+  others depart, only the departing ones check, and the collectives still
+  mismatch; a check at every use would catch that, at one all-reduce per
+  module call for good.
 - ``ReleasedParameterCheck``: a torch function mode, active during a key's
   first forward, that stops the first operator given a parameter zcore has
   released, i.e. one used by a module that neither owns nor declared it
@@ -16,12 +26,48 @@ recording: a model's structure shows itself on the first step.
 from __future__ import annotations
 
 import sys
+import zlib
+from array import array
 from typing import Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from zcore import comm
 from zcore.errors import InvalidStateError
+
+END_OF_STEP = -1  # signature of "no more uses this step" (crc32 signatures are >= 0)
+
+
+def signature(groups: list[int]) -> int:
+    """The same on every rank for the same groups in the same order."""
+    return zlib.crc32(array("q", groups).tobytes())
+
+
+class RankAgreement:
+    """Checks, use by use, that every rank enters the same groups."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # where the collective's tensor lives (the backend's device)
+
+    def check(self, sig: int, describe: Callable[[], str]) -> None:
+        """Raises InvalidStateError on every rank when the ranks' ``sig``
+        differ; ``describe()`` says what this rank was about to run."""
+        both = torch.tensor([sig, -sig], dtype=torch.int64, device=self.device)
+        comm.all_reduce_max(both)
+        if int(both[0]) == -int(both[1]):
+            return
+        # Every rank got the same maxima, so every rank is here: safe to gather.
+        running = comm.all_gather_objects(describe())
+        listed = "; ".join(f"rank {r}: {what}" for r, what in enumerate(running))
+        raise InvalidStateError(
+            f"ZeRO-3 ranks diverged: they are about to gather different parameters ({listed}). "
+            "Parameters are gathered with collectives, so every rank must run "
+            "the same modules in the same order: make a data-dependent choice the same on every "
+            "rank (e.g. all_reduce its condition), or run the module on every rank and discard "
+            "its output where it is not wanted",
+            running=running,
+        )
 
 
 class ReleasedParameterCheck(TorchFunctionMode):
