@@ -136,6 +136,38 @@ class SideInputs(nn.Module):
         return self.head(torch.tanh(h))
 
 
+class PaddedLayer(nn.Module):
+    """A 16-wide layer whose group holds ``extra`` more elements: a vector of
+    which only the first 16 entries are used, to give groups chosen sizes."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.25 * torch.randn(16, 16))
+        self.extra = nn.Parameter(torch.zeros(extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight + self.extra[:16])
+
+
+class Revisits(nn.Module):
+    """Layers of mixed group sizes, some run twice a forward: with prefetch
+    and reuse distance, groups are gathered and released out of order, and
+    the ZeRO-3 arena fragments until it must compact (found by a search
+    over sizes, orders and budgets; see test_zero3_compaction)."""
+
+    SIZES = (3000, 600, 600, 1500, 600, 3000)
+    ORDER = (5, 2, 5, 0, 1, 2, 3, 4)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(PaddedLayer(n) for n in self.SIZES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.ORDER:
+            x = self.layers[i](x)
+        return x[:, :4]
+
+
 MODELS = {
     "gpt": TinyGPT,
     "mlp": FrozenMLP,
@@ -143,6 +175,7 @@ MODELS = {
     "mix": MixedUse,
     "returned": ReturnedParams,
     "side": SideInputs,
+    "revisits": Revisits,
 }
 
 
