@@ -135,6 +135,12 @@ void bind_coordinator(py::module_& m) {
       .def("reset_peak", &ParamCoordinator::reset_peak,
            "Restarts peak_live_elements from the current live elements.")
       .def_property_readonly("in_step", &ParamCoordinator::in_step)
+      .def_property_readonly("recording", &ParamCoordinator::recording,
+                             "Whether the step records its uses (first step of its key, or "
+                             "departed and not resynchronised).")
+      .def("unforeseen", &ParamCoordinator::unforeseen, py::arg("module"),
+           "Inside a step, whether before_module(module) would use a group no adopted trace "
+           "expects there (recording, or a departure); changes nothing.")
       .def_property_readonly("config", &ParamCoordinator::config)
       .def_property_readonly("num_groups", &ParamCoordinator::num_groups)
       .def_property_readonly("num_modules", &ParamCoordinator::num_modules);

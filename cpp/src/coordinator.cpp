@@ -373,6 +373,18 @@ void ParamCoordinator::emit_release(GroupId group) {
   ++stats_.releases;
 }
 
+bool ParamCoordinator::unforeseen(ModuleId module) const {
+  const std::vector<GroupId>& entering = this->module(module);
+  if (step_ == StepState::kIdle) return false;
+  if (step_ != StepState::kFollowing) return true;
+  // follow_trace matches the groups one by one at consecutive positions.
+  const ExecutionTrace& trace = slot_->trace;
+  for (std::size_t i = 0; i < entering.size(); ++i) {
+    if (position_ + i >= trace.size() || trace.at(position_ + i) != entering[i]) return true;
+  }
+  return false;
+}
+
 GroupState ParamCoordinator::state(GroupId group) const {
   groups_.check(group);
   return groups_.state(group);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,13 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
 
 def all_reduce_max(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order. For error paths: slow."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:

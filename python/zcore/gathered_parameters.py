@@ -9,7 +9,9 @@ already: the block then does nothing.
 
 ``register_external_parameter(module, param)``: ``module`` uses ``param``
 although another module owns it, so the param's group is gathered whenever
-``module`` runs. Call it before or after zcore.initialize.
+``module`` runs. Call it before or after zcore.initialize. A parameter that
+a module returns to its caller needs no call: zcore declares it (note
+"external parameters" in zcore.param_fetcher).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Stages 0-3: one post-accumulate-grad hook per trained parameter, delegating
 to the gradient reducer.
 
-Stage 3: four module hooks per module with parameters, each delegating to
-the ParamFetcher that owns the state:
+Stage 3: a second post-accumulate-grad hook per trained parameter (note
+"backward without input gradients" below), and four module hooks per module
+with parameters (and on the model itself), each delegating to the
+ParamFetcher that owns the state:
 - forward pre-hook: enter the module (gather its groups); its tensor inputs
   pass through ``_OnBackward`` (leaving), whose backward runs once autograd has
   computed the gradients of those inputs, i.e. after the module's backward;
@@ -14,8 +16,19 @@ the ParamFetcher that owns the state:
   module's backward. (One autograd node per call: a multi-grad hook costs
   ~90 us per module call in handle bookkeeping, measured.)
 - the leaving ``_OnBackward`` node's backward: leave the module's backward.
-  A module whose inputs need no gradient never gets there; the fetcher
-  closes it at the end of backward.
+
+Note "backward without input gradients": a module whose inputs need no
+gradient (the first embedding: its inputs are token ids) gets no leaving
+node. Every backward node of such a call leads to its trained parameters'
+gradients (there is nothing else to compute), so the call leaves its
+backward when autograd has accumulated all of them: one post-accumulate-grad
+hook per trained parameter tells the fetcher. Without it the call's groups
+would stay gathered until the end of backward (where the fetcher still
+closes calls whose gradients never all came).
+
+The forward post-hook also hands the tensors of the module's output to the
+fetcher, which takes over a parameter returned to the calling module (note
+"external parameters" in zcore.param_fetcher).
 """
 
 from __future__ import annotations
@@ -38,6 +51,16 @@ def register_gradient_hooks(units: list[Unit], reducer: GradientReducer) -> list
             hook = functools.partial(reducer.on_grad, u, i)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
+
+
+def register_backward_exit_hooks(fetcher: ParamFetcher) -> list:
+    """Stage 3, note "backward without input gradients"."""
+    return [
+        p.register_post_accumulate_grad_hook(fetcher.grad_accumulated)
+        for g in fetcher.groups
+        if g.trainable
+        for p in g.params
+    ]
 
 
 def register_module_hooks(fetcher: ParamFetcher, modules: dict[int, torch.nn.Module]) -> list:
@@ -76,8 +99,9 @@ def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: t
 
 
 def _forward_post(fetcher: ParamFetcher, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
-    call = fetcher.exit_forward()
-    return _through_backward_entry(fetcher, call, output)
+    tensors = _tensors_in(output)
+    call = fetcher.exit_forward(tensors)
+    return _through_backward_entry(fetcher, call, tensors, output)
 
 
 def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple, kwargs: dict):
@@ -86,6 +110,7 @@ def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple,
     flat = list(args) + list(kwargs.values())
     where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not where:
+        fetcher.exit_backward_after_grads(call)
         return None
     leave = functools.partial(fetcher.exit_backward, call)
     passed = _OnBackward.apply(leave, *(flat[i] for i in where))
@@ -94,12 +119,15 @@ def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple,
     return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args) :]))
 
 
-def _through_backward_entry(fetcher: ParamFetcher, call: ModuleCall, output: Any) -> Any:
-    """``output`` with its grad-requiring tensors passed through one
-    entering _OnBackward node (None, keeping ``output``, when there are none)."""
+def _through_backward_entry(
+    fetcher: ParamFetcher, call: ModuleCall, tensors: list[torch.Tensor], output: Any
+) -> Any:
+    """``output`` (holding ``tensors``) with its grad-requiring tensors passed
+    through one entering _OnBackward node (None, keeping ``output``, when
+    there are none)."""
     if not torch.is_grad_enabled():
         return None
-    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    tensors = [t for t in tensors if t.requires_grad]
     if not tensors:
         return None
     entered = _OnBackward.apply(functools.partial(fetcher.enter_backward, call), *tensors)

@@ -97,10 +97,11 @@ def initialize(
     publisher: Publisher
     if stage3:
         fetcher = ParamFetcher(
-            sharded_groups, hooked, coordinator_config(cfg.zero_optimization), context.world_size
+            model, sharded_groups, hooked, coordinator_config(cfg.zero_optimization), context.world_size
         )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
-        handles += hooks.register_module_hooks(fetcher, dict(enumerate(m for m, _ in hooked)))
+        handles += hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
+        handles += hooks.register_backward_exit_hooks(fetcher)
         gathered_parameters.track(fetcher)
         for module in model.modules():
             for param in gathered_parameters.pending_external(module):

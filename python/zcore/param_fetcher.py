@@ -22,10 +22,22 @@ a gathered buffer is kept as (group, offset, size, stride) and rebuilt from
 the group's buffer of the moment at backward, when the module's backward
 pre-hook has gathered the group again. Arena compaction moves buffers the
 same way, which is why nothing else may keep a view across a gather.
+
+Parameters used outside their module (note "external parameters"): a module
+that uses another module's parameter needs its group gathered while it
+runs, which ``zcore.register_external_parameter`` declares. A use that
+zcore can see is declared automatically, as DeepSpeed does: a module whose
+forward returns a zcore parameter (or a view of one) hands it to the calling
+module, the innermost hooked module running (the model itself is always
+hooked), whose calls gather it from then on; the current call takes it over
+before the returning module lets it go. A use zcore cannot see (another
+module's parameter read as an attribute) is caught while the trace records
+(zcore.recording_checks) with an error that names the parameter and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple, Optional
@@ -35,6 +47,7 @@ import torch
 from zcore import _C, comm
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
+from zcore.recording_checks import END_OF_STEP, RankAgreement, ReleasedParameterCheck, signature
 from zcore.sharded_group import ShardedGroup
 
 log = logging.getLogger("zcore")
@@ -46,14 +59,20 @@ _GATHER, _WAIT, _RELEASE = _C.Action.GATHER, _C.Action.WAIT, _C.Action.RELEASE
 
 class ModuleCall:
     """One call of a hooked module: its backward is entered once (by the
-    first gradient of its outputs) and left once (by the gradient of its
-    inputs, or at the end of backward when its inputs need none)."""
+    first gradient of its outputs) and left once: by the gradient of its
+    inputs or, when its inputs need none, once the gradients of its trained
+    parameters are accumulated (or at the end of backward, when some never
+    come)."""
 
-    __slots__ = ("site", "in_backward")
+    __slots__ = ("index", "site", "in_backward", "awaiting")
 
-    def __init__(self, site: int) -> None:
-        self.site = site  # coordinator module id
+    def __init__(self, index: int, site: int) -> None:
+        self.index = index  # the fetcher's hooked module
+        self.site = site  # coordinator module id (grows when the call takes over a returned parameter)
         self.in_backward = False
+        # Inputs took no gradient: how many of its trained parameters'
+        # gradients are still to come. None: left by its inputs' gradient.
+        self.awaiting: Optional[int] = None
 
 
 class _SavedView(NamedTuple):
@@ -75,6 +94,7 @@ class GatherStats:
     prefetch_misses: int
     resident_hits: int
     trace_departures: int
+    trace_recordings: int
     live_elements: int
     peak_live_elements: int
     arena_capacity: int
@@ -88,22 +108,33 @@ class GatherStats:
 class ParamFetcher:
     def __init__(
         self,
+        model: torch.nn.Module,
         groups: list[ShardedGroup],
         modules: list[tuple[torch.nn.Module, list[int]]],
         config: _C.CoordinatorConfig,
         world_size: int,
     ) -> None:
+        """``modules``: every module with parameters and the groups it needs;
+        ``model`` is hooked too, with no groups of its own if it has no
+        parameters, so that a parameter it takes from a child has a
+        module to be gathered for (note "external parameters")."""
         self.groups = groups
         self.world_size = world_size
         self.coordinator = _C.ParamCoordinator(config)
         for g in groups:
             self.coordinator.register_group(g.padded_numel, g.dtype.itemsize)
+        self._module_names = {id(m): name for name, m in model.named_modules()}
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
         # sites[k]: the coordinator module of hooked module k (replaced when an
-        # external parameter adds a group to it).
+        # external parameter adds a group to it); modules[k]: the module.
         self.sites: list[int] = []
+        self.modules: list[torch.nn.Module] = []
         self._module_index: dict[int, int] = {}  # id(module) -> k
+        self._site_names: dict[int, str] = {}  # coordinator module -> what it is, for errors
         for module, ids in modules:
             self.add_module(module, ids)
+        if self.module_index(model) is None:
+            self.add_module(model, [])
         self._site_of_groups: dict[tuple[int, ...], int] = {}
         persistent = [self.coordinator.persistent(g.index) for g in groups]
         capacity = arena_capacity(
@@ -116,6 +147,12 @@ class ParamFetcher:
         self._backward_open: dict[int, ModuleCall] = {}  # id(call) -> call
         self._master_writer: Optional[Callable[[ShardedGroup], None]] = None
         self._entering: list[int] = []  # groups of the module being entered
+        # id(param) -> the calls whose backward waits for its gradient.
+        self._awaiting: dict[int, list[ModuleCall]] = {}
+        self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
+        self._released_check = ReleasedParameterCheck(
+            self._released, self._describe_param, self._describe_module
+        )
 
     # The engine's side: steps.
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -123,8 +160,10 @@ class ParamFetcher:
         if self.coordinator.in_step:
             self.end_step()  # the previous forward had no backward
         self.coordinator.begin_step(TRAIN if grad else NO_GRAD)
+        # A key's first step records its trace: check every operator then.
+        check = self._released_check if self.coordinator.recording else contextlib.nullcontext()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), check:
                 out = module(*args, **kwargs)
         except BaseException:
             self.abort()
@@ -138,8 +177,15 @@ class ParamFetcher:
         gradient (their backward post-hook never fires), then ends the step."""
         if not self.coordinator.in_step:
             return
+        if self._agreement is not None and self.coordinator.recording:
+            try:
+                self._agreement.check(END_OF_STEP, lambda: "the end of the step")
+            except BaseException:
+                self.abort()
+                raise
         for call in list(self._backward_open.values()):
             self.exit_backward(call)
+        self._awaiting.clear()
         self._execute(self.coordinator.end_step())
         notice = self.coordinator.take_departure_notice()
         if notice is not None:
@@ -153,6 +199,7 @@ class ParamFetcher:
     def abort(self) -> None:
         self._forward_stack.clear()
         self._backward_open.clear()
+        self._awaiting.clear()
         self._execute(self.coordinator.abort_step())
 
     def publish(self) -> None:
@@ -190,13 +237,16 @@ class ParamFetcher:
 
     # The hooks' side: module calls.
     def enter_forward(self, module: int) -> ModuleCall:
-        call = ModuleCall(self.sites[module])
+        call = ModuleCall(module, self.sites[module])
         self._enter(call.site)
         self._forward_stack.append(call)
         return call
 
-    def exit_forward(self) -> ModuleCall:
+    def exit_forward(self, returned: list[torch.Tensor]) -> ModuleCall:
+        """``returned``: the tensors in the module's output."""
         call = self._forward_stack.pop()
+        if self._forward_stack:
+            self._hand_over(returned, self._forward_stack[-1])
         self._execute(self.coordinator.after_module(call.site))
         return call
 
@@ -212,6 +262,22 @@ class ParamFetcher:
             return
         call.in_backward = False
         self._execute(self.coordinator.after_module(call.site))
+
+    def exit_backward_after_grads(self, call: ModuleCall) -> None:
+        """``call``'s inputs need no gradient, so nothing marks the end of
+        its backward but the gradients of its trained parameters: all of
+        its backward nodes lead to them (note "backward without input
+        gradients" in zcore.hooks)."""
+        call.awaiting = 0
+        self._await_grads(call, self.coordinator.module_groups(call.site))
+
+    def grad_accumulated(self, param: torch.Tensor) -> None:
+        """Autograd accumulates a parameter's gradient once per backward,
+        after every use's contribution: no call waiting for it needs it more."""
+        for call in self._awaiting.pop(id(param), ()):
+            call.awaiting -= 1
+            if call.awaiting == 0:
+                self.exit_backward(call)
 
     # Saved tensors (note "saved views").
     def pack(self, t: torch.Tensor) -> Any:
@@ -241,7 +307,7 @@ class ParamFetcher:
     def site_for(self, group_ids: list[int]) -> int:
         key = tuple(sorted(set(group_ids)))
         if key not in self._site_of_groups:
-            self._site_of_groups[key] = self.coordinator.register_module(list(key))
+            self._site_of_groups[key] = self._register(list(key), f"a use of groups {list(key)}")
         return self._site_of_groups[key]
 
     def gather_site(self, site: int) -> None:
@@ -256,14 +322,15 @@ class ParamFetcher:
     def add_module(self, module: torch.nn.Module, group_ids: list[int]) -> int:
         """A module to hook, needing ``group_ids``; returns its index k."""
         self._module_index[id(module)] = len(self.sites)
-        self.sites.append(self.coordinator.register_module(group_ids))
+        self.modules.append(module)
+        self.sites.append(self._register(group_ids, self._describe_module(module)))
         return len(self.sites) - 1
 
     def add_to_module(self, module: int, group: int) -> None:
         """Hooked module ``module`` also needs ``group`` from now on."""
         groups = list(self.coordinator.module_groups(self.sites[module]))
         if group not in groups:
-            self.sites[module] = self.coordinator.register_module(groups + [group])
+            self.sites[module] = self._register(groups + [group], self._site_names[self.sites[module]])
 
     def set_master_writer(self, writer: Callable[[ShardedGroup], None]) -> None:
         """How a changed local shard reaches the fp32 master (GatheredParameters)."""
@@ -299,8 +366,57 @@ class ParamFetcher:
         self.coordinator.reset_peak()
         self.buffers.reset_peak()
 
+    # Parameters handed from module to module (note "external parameters").
+    def _hand_over(self, returned: list[torch.Tensor], caller: ModuleCall) -> None:
+        for t in returned:
+            group = self._group_viewed_by(t)
+            if group is None or self.buffers.persistent[group] or any(
+                group in self.coordinator.module_groups(c.site) for c in self._forward_stack
+            ):
+                continue  # not a parameter, or gathered for good, or kept by a running call
+            self.add_to_module(caller.index, group)
+            self._enter(self.site_for([group]))  # in use by the returning module: no gather
+            caller.site = self.sites[caller.index]  # leaves (forward and backward) with it
+            if caller.awaiting is not None:
+                self._await_grads(caller, [group])
+            what = (
+                f"parameter {self._describe_param(t)}" if id(t) in self.group_of_param
+                else f"a view of parameters {self._param_list(group)}"
+            )
+            log.info(
+                "zcore ZeRO-3: %s got %s from a module it called; gathering them whenever it "
+                "runs, as zcore.register_external_parameter would",
+                self._site_names[caller.site], what,
+            )
+
+    def _group_viewed_by(self, t: torch.Tensor) -> Optional[int]:
+        """The group of a zcore parameter, or of a gathered buffer ``t`` views."""
+        group = self.group_of_param.get(id(t))
+        if group is None and t.layout == torch.strided:
+            owner = self.buffers.owner_of(t)
+            group = None if owner is None else owner[0]
+        return group
+
+    def _await_grads(self, call: ModuleCall, groups: list[int]) -> None:
+        for g in groups:
+            if self.groups[g].trainable:
+                for p in self.groups[g].params:
+                    self._awaiting.setdefault(id(p), []).append(call)
+                    call.awaiting += 1
+
     # Plans.
+    def _register(self, group_ids: list[int], name: str) -> int:
+        site = self.coordinator.register_module(group_ids)
+        self._site_names[site] = name
+        return site
+
     def _enter(self, site: int) -> None:
+        if self._agreement is not None and self.coordinator.unforeseen(site):
+            # Before any gather: ranks that disagree here would hang in it.
+            groups = self.coordinator.module_groups(site)
+            self._agreement.check(
+                signature(groups), lambda: f"{self._site_names[site]} (groups {list(groups)})"
+            )
         self._entering = self.coordinator.module_groups(site)
         try:
             self._execute(self.coordinator.before_module(site))
@@ -361,6 +477,29 @@ class ParamFetcher:
 
     def _describe(self, group: int) -> str:
         return ", ".join(str(tuple(s)) for s in self.groups[group].shapes)
+
+    def _released(self, t: torch.Tensor) -> bool:
+        group = self.group_of_param.get(id(t))
+        return group is not None and (not self.buffers.holds(group) or group in self._in_flight)
+
+    def _describe_param(self, param: torch.Tensor) -> str:
+        g = self.groups[self.group_of_param[id(param)]]
+        shape = next(s for p, s in zip(g.params, g.shapes) if p is param)
+        return f"'{self._param_names.get(id(param), '?')}' (shape {tuple(shape)})"
+
+    def _param_list(self, group: int) -> str:
+        return ", ".join(f"'{self._param_names.get(id(p), '?')}'" for p in self.groups[group].params)
+
+    def _describe_module(self, module: Optional[torch.nn.Module]) -> str:
+        """None: the innermost hooked module running."""
+        if module is None:
+            if not self._forward_stack:
+                return "code outside any module"
+            module = self.modules[self._forward_stack[-1].index]
+        name = self._module_names.get(id(module))
+        if name is None:
+            return f"a {type(module).__name__} outside the model"
+        return f"module '{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
 
 
 def coordinator_config(zero: Any) -> _C.CoordinatorConfig:

@@ -296,6 +296,54 @@ TEST(ParamCoordinator, InsertedModuleResynchronisesAtTheSamePosition) {
   EXPECT_EQ(ch.c.stats().trace_resyncs, 1);
 }
 
+TEST(ParamCoordinator, UsesAreUnforeseenWhileRecordingAndAtDepartures) {
+  Chain ch(config(S, 100 * S, 0), 4);
+  EXPECT_FALSE(ch.c.recording());
+  EXPECT_FALSE(ch.c.unforeseen(0)) << "outside a step";
+  ch.c.begin_step(0);
+  EXPECT_TRUE(ch.c.recording()) << "the key's first step records";
+  EXPECT_TRUE(ch.c.unforeseen(0));
+  ch.run({0, 1, 2});
+  ch.c.end_step();
+  EXPECT_FALSE(ch.c.recording());
+  ch.c.begin_step(0);
+  EXPECT_FALSE(ch.c.recording()) << "follows its trace";
+  EXPECT_FALSE(ch.c.unforeseen(0));
+  EXPECT_TRUE(ch.c.unforeseen(1)) << "a departure, asked before it happens";
+  EXPECT_FALSE(ch.c.recording()) << "asking changes nothing";
+  ch.run({0});
+  EXPECT_TRUE(ch.c.unforeseen(3));
+  ch.run({3});
+  EXPECT_TRUE(ch.c.recording()) << "departed";
+  EXPECT_TRUE(ch.c.unforeseen(1)) << "every use while departed";
+  ch.run({1});
+  EXPECT_FALSE(ch.c.recording()) << "resynchronised";
+  EXPECT_FALSE(ch.c.unforeseen(2));
+  ch.run({2});
+  EXPECT_TRUE(ch.c.unforeseen(2)) << "past the end of the trace";
+  ch.c.end_step();
+  ch.c.begin_step(1);
+  EXPECT_TRUE(ch.c.recording()) << "another key records its own trace";
+  ch.c.abort_step();
+  EXPECT_FALSE(ch.c.recording());
+}
+
+TEST(ParamCoordinator, AModuleOfSeveralGroupsIsForeseenOnlyWhenAllAreNext) {
+  ParamCoordinator c(config(S, 100 * S, 0));
+  const GroupId g0 = c.register_group(S, 2);
+  const GroupId g1 = c.register_group(S, 2);
+  const ModuleId both = c.register_module({g0, g1});
+  const ModuleId reversed = c.register_module({g1, g0});
+  c.begin_step(0);
+  c.before_module(both);
+  c.after_module(both);
+  c.end_step();
+  c.begin_step(0);
+  EXPECT_FALSE(c.unforeseen(both));
+  EXPECT_TRUE(c.unforeseen(reversed));
+  c.abort_step();
+}
+
 TEST(ParamCoordinator, AlternatingControlFlowIsNotifiedOnce) {
   Chain ch(config(S, 100 * S, 0), 3);
   int notices = 0;

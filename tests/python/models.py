@@ -88,7 +88,112 @@ class NormMLP(nn.Module):
         return self.head(torch.tanh(self.frozen(torch.tanh(self.norm(self.inp(x))))))
 
 
-MODELS = {"gpt": TinyGPT, "mlp": FrozenMLP, "branch": BranchMLP, "mix": MixedUse, "norm": NormMLP}
+class LearnedQueries(nn.Module):
+    """Returns its parameter, as learned query or position tables do."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.5 * torch.randn(n, d))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class TransposedWeight(nn.Linear):
+    """Returns a view of its weight (its transpose) instead of applying it."""
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.t()
+
+
+class Mixer(nn.Module):
+    """Applies a weight that its child returns, then its own scale."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.proj = TransposedWeight(d, d, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.proj()) * self.scale
+
+
+class ReturnedParams(nn.Module):
+    """Parameters used outside their module, handed over by return values
+    and declared to zcore nowhere: a child returns its parameter to the
+    model (which has no parameters of its own), another returns a view of
+    its weight to a parent with parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = LearnedQueries(4, 16)
+        self.inp = nn.Linear(16, 16)
+        self.mixer = Mixer(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x) + self.queries().mean(0))
+        return self.head(torch.tanh(self.mixer(h)))
+
+
+class SideInputs(nn.Module):
+    """Two modules whose inputs take no gradient, side by side: a token
+    embedding (of a token read off the features) and a projection of the
+    raw features, both larger than the rest of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 128)
+        self.side = nn.Linear(16, 128)
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x.argmax(dim=-1)) + self.side(x)
+        return self.head(torch.tanh(h))
+
+
+class PaddedLayer(nn.Module):
+    """A 16-wide layer whose group holds ``extra`` more elements: a vector of
+    which only the first 16 entries are used, to give groups chosen sizes."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.25 * torch.randn(16, 16))
+        self.extra = nn.Parameter(torch.zeros(extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight + self.extra[:16])
+
+
+class Revisits(nn.Module):
+    """Layers of mixed group sizes, some run twice a forward: with prefetch
+    and reuse distance, groups are gathered and released out of order, and
+    the ZeRO-3 arena fragments until it must compact (found by a search
+    over sizes, orders and budgets; see test_zero3_compaction)."""
+
+    SIZES = (3000, 600, 600, 1500, 600, 3000)
+    ORDER = (5, 2, 5, 0, 1, 2, 3, 4)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(PaddedLayer(n) for n in self.SIZES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.ORDER:
+            x = self.layers[i](x)
+        return x[:, :4]
+
+
+MODELS = {
+    "gpt": TinyGPT,
+    "mlp": FrozenMLP,
+    "branch": BranchMLP,
+    "mix": MixedUse,
+    "returned": ReturnedParams,
+    "side": SideInputs,
+    "revisits": Revisits,
+    "norm": NormMLP,
+}
 
 
 def make_model(name: str) -> nn.Module:

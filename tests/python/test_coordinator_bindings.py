@@ -145,3 +145,16 @@ def test_a_caller_executing_the_plans_sees_the_guarantees():
         if rng.random() < 0.5:
             order[rng.randrange(len(order))] = rng.randrange(8)
     assert c.stats().prefetch_hits > 0
+
+
+def test_recording_and_unforeseen_uses_are_visible():
+    c, modules = chain(3)
+    assert not c.recording and not c.unforeseen(modules[0])  # outside a step
+    c.begin_step(0)
+    assert c.recording and c.unforeseen(modules[0])
+    c.abort_step()
+    step(c, modules)
+    c.begin_step(0)
+    assert not c.recording
+    assert not c.unforeseen(modules[0]) and c.unforeseen(modules[1])
+    c.abort_step()

@@ -96,11 +96,21 @@ def test_generation_and_gathered_parameters_on_two_ranks():
     assert len({len(t) for r in results for t in r["tokens"]}) > 2  # lengths differ
 
 
+class PartlyUsed(nn.Linear):
+    """A linear layer with a trained parameter that its forward leaves out:
+    when its input takes no gradient, its backward is over only at the end
+    of backward (not all of its gradients come)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.unused = nn.Parameter(torch.zeros(8))
+
+
 class TwoLinears(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
+        self.b = PartlyUsed()
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.a(x) + self.b(z)
@@ -113,8 +123,9 @@ def saved_views(rank, world, with_hooks):
     reference.load_state_dict(model.state_dict())
     # Forward: a is gathered into the arena's first block, released, and b
     # takes the same block. Backward: b is gathered first (into that block)
-    # and stays until the end (its input z takes no gradient), so a comes
-    # back elsewhere; a view of a's weight saved at forward would read b's.
+    # and stays until the end (its input z takes no gradient and its unused
+    # parameter none either), so a comes back elsewhere; a view of a's weight
+    # saved at forward would read b's.
     config = stage3_config(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     engine, *_ = zcore.initialize(model=model, config=config)
     if not with_hooks:

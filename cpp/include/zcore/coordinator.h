@@ -176,6 +176,17 @@ class ParamCoordinator {
   bool persistent(GroupId group) const;
   const std::vector<GroupId>& module_groups(ModuleId module) const;
   bool in_step() const { return step_ != StepState::kIdle; }
+  // Whether the step's uses are being recorded rather than followed: the
+  // step records its key's first trace, or departed and has not resynchronised.
+  bool recording() const {
+    return step_ == StepState::kRecording || step_ == StepState::kDeparted;
+  }
+  // Inside a step, whether before_module(module) would use a group that no
+  // adopted trace expects there: always while recording, and at a departure.
+  // False outside a step. Changes nothing. Ranks that have agreed so far
+  // agree on it, so a caller can check across ranks (a collective) that they
+  // all enter the same groups exactly when it holds, before gathering.
+  bool unforeseen(ModuleId module) const;
   // The trace adopted for a key (empty before its first step ends).
   std::vector<GroupId> trace(std::int64_t trace_key) const;
   CoordinatorStats stats() const;
