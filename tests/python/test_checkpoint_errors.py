@@ -86,9 +86,10 @@ def BiggerGPT() -> nn.Module:
     return model
 
 
-def flip_byte(path: Path, offset_from_end: int) -> None:
+def flip_byte(path: Path, position: int) -> None:
+    """Negative positions count from the end."""
     data = bytearray(path.read_bytes())
-    data[len(data) - offset_from_end] ^= 0x01
+    data[position] ^= 0x01
     path.write_bytes(bytes(data))
 
 
@@ -96,18 +97,13 @@ def flip_byte(path: Path, offset_from_end: int) -> None:
 def test_a_flipped_byte_is_detected_and_named(ckpt: Path, where: str) -> None:
     tag = ckpt / TAG
     target = {
-        "weights": (tag / "weights-00001.safetensors", 3),
-        "state": (tag / "state-00000.safetensors", 6000),  # in exp_avg_sq, before the 5056 RNG bytes
-        "header": (tag / "weights-00000.safetensors", -20),  # negative: from the start
-        "index": (tag / "rank-00001.json", 40),
+        "weights": (tag / "weights-00001.safetensors", -3),
+        "state": (tag / "state-00000.safetensors", -6000),  # in exp_avg_sq, before the 5056 RNG bytes
+        "header": (tag / "weights-00000.safetensors", 20),
+        "index": (tag / "rank-00001.json", -40),
     }[where]
-    path, at = target
-    if at < 0:
-        data = bytearray(path.read_bytes())
-        data[-at] ^= 0x01
-        path.write_bytes(bytes(data))
-    else:
-        flip_byte(path, at)
+    path, position = target
+    flip_byte(path, position)
     messages = run_ranks(load_expecting, 2, str(ckpt), "gpt", "CheckpointCorruptError")
     assert path.name in messages[0] or path.name in messages[1]
     # Consolidation reads the weights and refuses them too.

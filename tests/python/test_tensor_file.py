@@ -59,7 +59,7 @@ def test_damage_is_detected_naming_file_and_tensor(tmp_path: Path, position: str
     record = write(path, TENSORS)
     data = bytearray(path.read_bytes())
     if position == "data":
-        data[-20] ^= 0x10  # inside "mask" or "bytes" ... the last tensors
+        data[-20] ^= 0x10  # inside "ids"
     elif position == "header":
         data[30] ^= 0x01
     else:

@@ -7,7 +7,6 @@ attribute: zcore cannot see it coming, and the first step stops with an
 error that names the parameter and the fix; after the fix, training works.
 """
 
-import logging
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 import zcore
 from distributed import run_ranks
+from log_capture import capture_zcore_log
 from training import assert_matches, train_reference, train_zcore, zcore_config
 
 STEPS = 8
@@ -25,20 +25,8 @@ TOLERANCE = 1e-5
 ON_DEMAND = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
 
-class Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def train_returned(rank, world):
-    messages = Messages()
-    logger = logging.getLogger("zcore")
-    logger.addHandler(messages)
-    logger.setLevel(logging.INFO)
+    messages = capture_zcore_log()
     config = zcore_config(3, 1, 0.0)
     config["zero_optimization"].update(ON_DEMAND)
     out = train_zcore(rank, world, "returned", config, STEPS)

@@ -3,7 +3,6 @@ different lengths, GatheredParameters, construction on the meta device, the
 saved-tensor hooks that keep backward reading the right bytes, departures
 from the trace, and a forward that fails."""
 
-import logging
 
 import torch
 import torch.distributed as dist
@@ -11,6 +10,7 @@ from torch import nn
 
 import zcore
 from distributed import run_ranks
+from log_capture import capture_zcore_log
 from models import TinyGPT, make_model
 from zcore.demo.gpt import _init_weights as init_weights
 
@@ -196,20 +196,8 @@ def test_a_meta_model_is_built_shard_by_shard():
         assert got["peak"] < got["total"] // 4
 
 
-class Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def departures_and_failures(rank, world):
-    messages = Messages()
-    logger = logging.getLogger("zcore")
-    logger.addHandler(messages)
-    logger.setLevel(logging.INFO)
+    messages = capture_zcore_log()
     engine, *_ = zcore.initialize(model=make_model("mix"), config=stage3_config())
     x = torch.randn(4, 16)
 

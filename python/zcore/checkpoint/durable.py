@@ -134,24 +134,23 @@ def replace_dir(new: Path, final: Path) -> None:
     """Makes directory ``new`` appear as ``final`` in one atomic step: a
     crash leaves either the old ``final`` or the new one. The old one is
     then deleted."""
-    parent = final.parent
     if not final.exists():
         os.rename(new, final)
-    else:
-        # Swap both names at once (Linux renameat2); a plain rename cannot
-        # replace a non-empty directory.
-        rc = _libc.renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE)
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise DiskIOError(
-                f"cannot replace checkpoint {final} atomically ({os.strerror(err)}): this filesystem "
-                "lacks renameat2(RENAME_EXCHANGE); save under a new tag instead",
-                path=str(final),
-                errno=err,
-            )
-        fsync_dir(parent)
-        remove_tree(new)
-    fsync_dir(parent)
+        fsync_dir(final.parent)
+        return
+    # Swap both names at once (Linux renameat2); a plain rename cannot
+    # replace a non-empty directory.
+    rc = _libc.renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise DiskIOError(
+            f"cannot replace checkpoint {final} atomically ({os.strerror(err)}): this filesystem "
+            "lacks renameat2(RENAME_EXCHANGE); save under a new tag instead",
+            path=str(final),
+            errno=err,
+        )
+    fsync_dir(final.parent)
+    remove_tree(new)  # now the old checkpoint
 
 
 def remove_tree(path: Path) -> None:

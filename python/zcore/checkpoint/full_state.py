@@ -19,7 +19,6 @@ from zcore.param_fetcher import ParamFetcher
 def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     layout = engine_layout(engine)
     rank = engine.context.rank
-    names = {id(p): n for n, p in reversed(list(engine.module.named_parameters()))}
     values: dict[str, torch.Tensor] = {}
     optimizer = engine.optimizer
     flats = list(zip(optimizer.units, optimizer.master.shards))
@@ -29,7 +28,7 @@ def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str
         full = _gather(shard, unit.padded_numel, rank)
         if rank == 0:
             for i, p in enumerate(unit.params):
-                values[names[id(p)]] = unit.param_slice(full, i).view(unit.shapes[i]).cpu().clone()
+                values[layout.names[id(p)]] = unit.param_slice(full, i).view(unit.shapes[i]).cpu().clone()
     if rank != 0:
         return {}
     for slot in layout.slots:  # whole frozen parameters (stages 0-2) and buffers

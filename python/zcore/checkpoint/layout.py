@@ -53,6 +53,7 @@ class EngineLayout:
     keys: dict[str, str] = field(default_factory=dict)  # state_dict key -> tensor name (tied aliases)
     slots: list[Slot] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # optimizer groups, by parameter name
+    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its first name
 
     def slots_of(self, role: str) -> list[Slot]:
         return [s for s in self.slots if self.tensors[s.name].role == role]
@@ -63,7 +64,7 @@ def engine_layout(engine: Any) -> EngineLayout:
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
-    layout = EngineLayout()
+    layout = EngineLayout(names=names)
     infos: dict[str, TensorInfo] = {}
 
     for unit, pieces in zip(optimizer.units, optimizer.master.pieces):

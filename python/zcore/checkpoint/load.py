@@ -115,7 +115,7 @@ def _stage(engine: Any, layout: EngineLayout, tag_dir: Path, meta: dict, with_op
                     continue  # never stepped when saved
                 state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
                 scalars = next(ix["scalars"][slot.name] for ix in indexes if slot.name in ix["scalars"])
-                state.update(training_state.join_scalars(scalars, slot.data.device))
+                state.update(training_state.join_scalars(scalars))
                 staged.states[slot.piece] = state
         if rank < len(indexes):
             rng = indexes[rank]["rng"]

@@ -41,7 +41,6 @@ _CODES = {
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _ALIGN = 8  # header padding, as the safetensors library writes it
-_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -145,8 +144,7 @@ class TensorFileWriter:
             )
         data = bytes_of(tensor.detach().contiguous().cpu())
         self._digests[spec.name] = digest(data)
-        for start in range(0, len(data), _CHUNK):
-            self._file.write(data[start : start + _CHUNK])
+        self._file.write(data)
 
     def commit(self) -> FileRecord:
         if len(self._digests) != len(self.specs):

@@ -78,7 +78,7 @@ def split_state(state: dict, numel: int, what: str) -> tuple[dict[str, torch.Ten
     return ranged, scalars
 
 
-def join_scalars(scalars: dict[str, dict], device: torch.device) -> dict[str, Any]:
+def join_scalars(scalars: dict[str, dict]) -> dict[str, Any]:
     out = {}
     for key, s in scalars.items():
         if "dtype" in s:
