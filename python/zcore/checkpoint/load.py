@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from zcore import comm
+from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, training_state
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos
 from zcore.checkpoint.saved_ranges import SavedRanges
@@ -104,7 +105,7 @@ def _stage(engine: Any, layout: EngineLayout, tag_dir: Path, meta: dict, with_op
     indexes = read_indexes(tag_dir, meta)
     staged = _Staged()
     rank = engine.context.rank
-    with SavedRanges(tag_dir, indexes) as saved:
+    with SavedRanges(tag_dir, indexes, AioEngine(tag_dir)) as saved:
         for slot in layout.slots:
             staged.slots.append((slot, saved.read(slot.name, slot.start, slot.stop)))
         if with_optimizer:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from zcore import comm
+from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, training_state
 from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
@@ -85,7 +86,8 @@ def _write_rank(
 ) -> str:
     saved = [s for s in layout.slots if s.saves]
     specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
-    with TensorFileWriter(staging / directory.weights_file(rank), specs) as writer:
+    io = AioEngine(staging)  # O_DIRECT writes: zcore.checkpoint.direct_file
+    with TensorFileWriter(staging / directory.weights_file(rank), specs, engine=io) as writer:
         for slot in saved:
             writer.write(slot.data)
         weights = writer.commit()
@@ -108,7 +110,7 @@ def _write_rank(
     if rank == 0:
         state_tensors.update(client_tensors)
     specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in state_tensors.items()]
-    with TensorFileWriter(staging / directory.state_file(rank), specs) as writer:
+    with TensorFileWriter(staging / directory.state_file(rank), specs, engine=io) as writer:
         for value in state_tensors.values():
             writer.write(value)
         state = writer.commit()

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from zcore.aio import AioEngine
 from zcore.checkpoint import directory
 from zcore.checkpoint.tensor_file import FileRecord, TensorFileReader
 from zcore.errors import CheckpointCorruptError
@@ -32,8 +33,10 @@ class _Saved:
 
 
 class SavedRanges:
-    def __init__(self, tag_dir: Path, indexes: list[dict]) -> None:
+    def __init__(self, tag_dir: Path, indexes: list[dict], engine: Optional[AioEngine] = None) -> None:
+        """``engine``: read with O_DIRECT through it."""
         self.tag_dir = tag_dir
+        self._engine = engine
         self._records: dict[tuple[int, str], FileRecord] = {}
         self._saved: dict[tuple[str, Optional[str]], list[_Saved]] = defaultdict(list)
         for rank, index in enumerate(indexes):
@@ -68,7 +71,7 @@ class SavedRanges:
             reader = self._reader(saved.file)
             hi = min(stop, saved.stop)
             if out is None:
-                out = torch.empty(stop - start, dtype=reader.entries[saved.key].dtype)
+                out = reader.empty(saved.key, stop - start)
             target = out[position - start : hi - start]
             if saved.start == position and saved.stop == hi:
                 reader.read(saved.key, out=target)
@@ -93,7 +96,7 @@ class SavedRanges:
         reader = self._readers.get(file)
         if reader is None:
             record = self._records[file]
-            reader = TensorFileReader(self.tag_dir / record.name, record)
+            reader = TensorFileReader(self.tag_dir / record.name, record, self._engine)
             self._readers[file] = reader
         return reader
 

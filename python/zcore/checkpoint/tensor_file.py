@@ -5,7 +5,7 @@ reads through mmap, where every page touched counts toward the process's
 RSS. Checkpoints and consolidation must stream tensor by tensor, so zcore
 writes the (simple) format itself: the header first, since every name, dtype
 and shape is known up front, then each tensor's bytes straight from its
-memory, hashed on the way. The files remain ordinary safetensors files.
+memory, hashed on the way (with O_DIRECT when given an AioEngine). The files remain ordinary safetensors files.
 
 A file's checksums (one for the header, one per tensor: xxh3-64) are
 returned as a ``FileRecord``; whoever indexes the file keeps them, and the
@@ -15,6 +15,7 @@ reader verifies every byte it returns against them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 import xxhash
 
+from zcore.aio import AioEngine
 from zcore.checkpoint import durable
 from zcore.errors import CheckpointCorruptError
 
@@ -41,6 +43,7 @@ _CODES = {
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _ALIGN = 8  # header padding, as the safetensors library writes it
+_PAGE = 4096  # O_DIRECT alignment
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -114,7 +117,14 @@ class TensorFileWriter:
     """Writes ``specs``' tensors, in that order, to ``path`` through a
     temporary name: ``write`` each tensor, then ``commit`` (fsync, rename)."""
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: list[TensorSpec],
+        metadata: Optional[dict[str, str]] = None,
+        engine: Optional[AioEngine] = None,
+    ) -> None:
+        """``engine``: write with O_DIRECT through it (zcore.checkpoint.direct_file)."""
         self.path = Path(path)
         self.specs = specs
         header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
@@ -128,11 +138,11 @@ class TensorFileWriter:
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(len(raw) + 8) % _ALIGN)
-        self._file = durable.TempFile(self.path)
         head = struct.pack("<Q", len(raw)) + raw
+        self._nbytes = len(head) + offset
+        self._file = durable.TempFile(self.path, engine, self._nbytes)
         self._file.write(memoryview(head))
         self._header_digest = digest(memoryview(head))
-        self._nbytes = len(head) + offset
         self._digests: dict[str, str] = {}
 
     def write(self, tensor: torch.Tensor) -> None:
@@ -176,9 +186,13 @@ class TensorFileReader:
     """Reads tensors of one file, each verified against ``record`` (when
     given: checkpoints always give it; a file from elsewhere may not)."""
 
-    def __init__(self, path: Path, record: Optional[FileRecord] = None) -> None:
+    def __init__(self, path: Path, record: Optional[FileRecord] = None, engine: Optional[AioEngine] = None) -> None:
+        """``engine``: read with O_DIRECT through it (1.4-1.5 GB/s per process
+        against 0.5-0.7 GB/s through the page cache, measured with two
+        processes reading 3 GB each, cold)."""
         self.path = Path(path)
         self.record = record
+        self._engine = engine
         self._file = open(self.path, "rb", buffering=0)
         try:
             self.entries = self._read_header()
@@ -218,24 +232,41 @@ class TensorFileReader:
         if entry is None:
             raise self._corrupt(f"lacks tensor {name!r} that its index lists")
         if out is None:
-            out = torch.empty(entry.shape, dtype=entry.dtype)
+            out = self.empty(name)
         if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(f"{self.path.name}: cannot read {name!r} ({entry.dtype}) into {out.dtype} {out.device}")
         view = bytes_of(out)
         if len(view) != entry.nbytes:
             raise self._corrupt(f"holds {entry.nbytes} bytes for tensor {name!r}, its index says {len(view)}")
-        self._file.seek(entry.start)
-        done = 0
-        while done < entry.nbytes:
-            n = self._file.readinto(view[done:])
-            if not n:
-                raise self._corrupt(f"ends inside tensor {name!r}")
-            done += n
+        if self._engine is not None and entry.nbytes:
+            self._engine.pread(out, self.path, entry.start).wait()
+        else:
+            self._file.seek(entry.start)
+            done = 0
+            while done < entry.nbytes:
+                n = self._file.readinto(view[done:])
+                if not n:
+                    raise self._corrupt(f"ends inside tensor {name!r}")
+                done += n
         if self.record is not None:
             expected = self.record.tensors.get(name)
             if expected is None or digest(view) != expected:
                 raise self._corrupt(f"fails the checksum of tensor {name!r}")
         return out
+
+    def empty(self, name: str, numel: Optional[int] = None) -> torch.Tensor:
+        """A tensor to read tensor ``name`` into (its first ``numel`` elements
+        when given: the start of a larger one), placed so that its address
+        and the tensor's file offset are equal modulo the page size: O_DIRECT
+        then reads straight into it instead of through bounce buffers."""
+        entry = self.entries[name]
+        shape = entry.shape if numel is None else (numel,)
+        if entry.start % entry.dtype.itemsize:  # no address of the dtype's alignment fits
+            return torch.empty(shape, dtype=entry.dtype)
+        size = math.prod(shape) * entry.dtype.itemsize
+        raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+        shift = (entry.start - raw.data_ptr()) % _PAGE
+        return raw[shift : shift + size].view(entry.dtype).view(shape)
 
     def _corrupt(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(

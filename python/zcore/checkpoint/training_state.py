@@ -123,9 +123,11 @@ def set_rng_state(state: dict, tensors: dict[str, torch.Tensor], device: torch.d
             np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         except ImportError:
             pass
-    torch.set_rng_state(tensors["rng::torch"])
+    # Copies: the tensors read from files view a larger buffer (page-aligned
+    # for O_DIRECT), and torch's set_rng_state ignores a storage offset (segfault).
+    torch.set_rng_state(tensors["rng::torch"].clone())
     if device.type == "cuda" and "rng::cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng::cuda"], device)
+        torch.cuda.set_rng_state(tensors["rng::cuda"].clone(), device)
 
 
 # The user's client_state: JSON, with tensors stored beside it.
