@@ -60,25 +60,59 @@ def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> DistributedC
     )
 
 
+class _AllGatherBySendRecv:
+    """gloo's all-gather is slow: on 2 ranks, 10.6 ms for a 16 MiB output and
+    62 ms for 64 MiB, against 6.2 and 23 ms when each rank sends its shard to
+    every other rank and receives theirs (measured). So on gloo the shards
+    are exchanged point to point, received straight into their slices of the
+    output. Every rank gathers the same groups in the same order, so the
+    k-th message between two ranks always belongs to the k-th gather."""
+
+    def __init__(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        slices = output.view(world, -1)
+        slices[rank].copy_(shard)
+        ops = []
+        for peer in range(world):
+            if peer != rank:
+                ops.append(dist.P2POp(dist.isend, shard, peer))
+                ops.append(dist.P2POp(dist.irecv, slices[peer], peer))
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-    """``output`` (world x shard elements) receives every rank's ``shard`` in rank order."""
-    return _all_gather(output, shard, async_op=async_op)
+    """``output`` (world x shard elements) receives every rank's ``shard`` in
+    rank order. ``shard`` must stay unchanged until the gather is waited for."""
+    if dist.get_backend() != "gloo":
+        return _all_gather(output, shard, async_op=async_op)
+    work = _AllGatherBySendRecv(output, shard)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
-class _ReduceScatterByAllReduce:
-    """gloo's reduce-scatter runs at half the speed of its all-reduce of the
-    same buffer (measured: 40 ms against 19 ms for 16 MiB on 2 ranks), so on
-    gloo the sum is all-reduced in place and this rank's slice copied out."""
+class _ReduceScatterByAllToAll:
+    """gloo's reduce-scatter runs slower than its all-reduce of the same
+    buffer, and an all-reduce moves twice the bytes a reduce-scatter needs.
+    So on gloo every rank sends each other rank that rank's slice (one
+    all-to-all) and sums the slices it receives. Measured on 2 ranks, 16 MiB:
+    7.4 ms against 12.5 ms (all-reduce) and 17.0 ms (reduce_scatter_tensor)."""
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        start = dist.get_rank() * shard.numel()
         self._shard = shard
-        self._slice = full[start : start + shard.numel()]
-        self._work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
+        self._received = torch.empty_like(full)  # slice ``rank`` of every rank's ``full``
+        self._work = dist.all_to_all_single(self._received, full, async_op=True)
 
     def wait(self) -> None:
         self._work.wait()
-        self._shard.copy_(self._slice)
+        torch.sum(self._received.view(-1, self._shard.numel()), dim=0, out=self._shard)
+        self._received = None
 
 
 def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor):
@@ -86,7 +120,7 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor):
     ``rank`` of ``full``); returns a handle whose ``wait()`` completes it.
     ``full`` may be overwritten."""
     if dist.get_backend() == "gloo":
-        return _ReduceScatterByAllReduce(shard, full)
+        return _ReduceScatterByAllToAll(shard, full)
     return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=True)
 
 
