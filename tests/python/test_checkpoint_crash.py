@@ -15,6 +15,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -39,15 +40,21 @@ def hashes(tag_dir: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tag_dir.iterdir())}
 
 
-def save_then_crash(rank: int, world: int, root: str, kind: str, kill_at: int, second_tag: str) -> int:
+def save_then_crash(
+    rank: int, world: int, root: str, kind: str, kill_at: int, second_tag: str, dying_rank: int = 0
+) -> int:
     root = Path(root)
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=CONFIG)
     train(engine, range(2))
     engine.save_checkpoint(root, tag="a")
-    (root / "hashes-a.json").write_text(json.dumps(hashes(root / "a")))
-    torch.save(engine.full_state_dict(), root / "expected-a.pt")
+    expected = engine.full_state_dict()  # every rank gathers; rank 0 gets it
+    if rank == 0:
+        (root / "hashes-a.json").write_text(json.dumps(hashes(root / "a")))
+        torch.save(expected, root / "expected-a.pt")
     train(engine, range(2, 3))
-    torch.save(engine.full_state_dict(), root / f"expected-{second_tag}-new.pt")
+    expected = engine.full_state_dict()
+    if rank == 0:
+        torch.save(expected, root / f"expected-{second_tag}-new.pt")
     calls = [0]
     original = getattr(durable.TempFile, kind)
 
@@ -57,17 +64,19 @@ def save_then_crash(rank: int, world: int, root: str, kind: str, kill_at: int, s
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, *args)
 
-    setattr(durable.TempFile, kind, dying)
+    if rank == dying_rank:
+        setattr(durable.TempFile, kind, dying)
     engine.save_checkpoint(root, tag=second_tag)
     return calls[0]  # never killed: kill_at was past the last call
 
 
-def load_latest(rank: int, world: int, roots: list[str]) -> list[tuple[str, dict]]:
+def load_latest(rank: int, world: int, roots: list[str]) -> list[tuple[str, Optional[dict]]]:
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=CONFIG)
     out = []
     for root in roots:
         path, _ = engine.load_checkpoint(root)
-        out.append((path.name, engine.full_state_dict()))
+        state = engine.full_state_dict()  # every rank gathers; rank 0 gets it
+        out.append((path.name, state if rank == 0 else None))
     return out
 
 
@@ -124,3 +133,30 @@ def test_a_later_save_does_not_touch_earlier_tags(tmp_path: Path) -> None:
     result = run_ranks(save_twice_and_hash, 1, str(tmp_path), launcher=False)[0]
     assert result["first"] == result["after"]
     assert (tmp_path / "latest").read_text() == "b"
+
+
+# Two ranks: (the rank that dies, which durable call, the k-th call dies).
+# Each rank commits its weights (1), state (2) and index (3); rank 0 then
+# meta.json (4) before the rename.
+TWO_RANK_CASES = [(1, "commit", 1), (1, "write", 2), (0, "commit", 4)]
+
+
+def test_a_rank_killed_while_two_ranks_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """The other rank fails in its next collective (gloo: connection reset
+    by the dead peer), as it would in a real job."""
+    roots = []
+    for dying, kind, kill_at in TWO_RANK_CASES:
+        root = tmp_path / f"rank{dying}-{kind}-{kill_at}"
+        with pytest.raises(RuntimeError, match=f"rank ({dying} died with exit code -9|{1 - dying} failed)"):
+            run_ranks(save_then_crash, 2, str(root), kind, kill_at, "b", dying, timeout=120)
+        assert (root / "latest").read_text() == "a"
+        assert hashes(root / "a") == json.loads((root / "hashes-a.json").read_text())
+        assert not (root / "b").exists()
+        roots.append(str(root))
+    loaded = run_ranks(load_latest, 2, roots)[0]
+    for (dying, kind, kill_at), root, (name, state) in zip(TWO_RANK_CASES, roots, loaded):
+        expected = torch.load(Path(root) / "expected-a.pt", weights_only=True)
+        assert name == "a"
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), f"rank {dying} killed at {kind} {kill_at}: {key}"

@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from zcore.aio import AioEngine
 from zcore.checkpoint import durable
 from zcore.checkpoint.layout import tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
@@ -61,7 +60,7 @@ def consolidate(
     out.mkdir(parents=True, exist_ok=True)
     total = sum(s.nbytes for s in specs)
     written = []
-    with SavedRanges(tag_dir, read_indexes(tag_dir, meta), AioEngine(tag_dir)) as saved, tqdm(
+    with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved, tqdm(
         total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress
     ) as bar:
         for name, file_specs in zip(names, files):
