@@ -138,6 +138,12 @@ class ZeroConfig(_Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    # When ZeRO-3 checks that every rank is about to gather the same groups
+    # (zcore.recording_checks): "recording" only where no trace foresees the
+    # use; "every_module" at every module, which also catches ranks where
+    # some follow their trace and others leave it, at one small all-reduce
+    # per module call (and a host sync on GPU): for debugging a hang.
+    stage3_rank_agreement_check: Literal["recording", "every_module"] = "recording"
 
     @field_validator("offload_optimizer", mode="before")
     @classmethod

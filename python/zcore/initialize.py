@@ -96,8 +96,10 @@ def initialize(
     residency: ParamResidency
     publisher: Publisher
     if stage3:
+        zero = cfg.zero_optimization
         fetcher = ParamFetcher(
-            model, sharded_groups, hooked, coordinator_config(cfg.zero_optimization), context.world_size
+            model, sharded_groups, hooked, coordinator_config(zero), context.world_size,
+            check_every_module=zero.stage3_rank_agreement_check == "every_module",
         )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
         handles += hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))

@@ -113,11 +113,14 @@ class ParamFetcher:
         modules: list[tuple[torch.nn.Module, list[int]]],
         config: _C.CoordinatorConfig,
         world_size: int,
+        check_every_module: bool = False,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
         parameters, so that a parameter it takes from a child has a
-        module to be gathered for (note "external parameters")."""
+        module to be gathered for (note "external parameters").
+        ``check_every_module``: ranks agree on every use, not only on the
+        uses no trace foresaw (config stage3_rank_agreement_check)."""
         self.groups = groups
         self.world_size = world_size
         self.coordinator = _C.ParamCoordinator(config)
@@ -150,6 +153,7 @@ class ParamFetcher:
         # id(param) -> the calls whose backward waits for its gradient.
         self._awaiting: dict[int, list[ModuleCall]] = {}
         self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
+        self._check_every_module = check_every_module
         self._released_check = ReleasedParameterCheck(
             self._released, self._describe_param, self._describe_module
         )
@@ -177,7 +181,7 @@ class ParamFetcher:
         gradient (their backward post-hook never fires), then ends the step."""
         if not self.coordinator.in_step:
             return
-        if self._agreement is not None and self.coordinator.recording:
+        if self._agreement is not None and (self._check_every_module or self.coordinator.recording):
             try:
                 self._agreement.check(END_OF_STEP, lambda: "the end of the step")
             except BaseException:
@@ -411,7 +415,7 @@ class ParamFetcher:
         return site
 
     def _enter(self, site: int) -> None:
-        if self._agreement is not None and self.coordinator.unforeseen(site):
+        if self._agreement is not None and (self._check_every_module or self.coordinator.unforeseen(site)):
             # Before any gather: ranks that disagree here would hang in it.
             groups = self.coordinator.module_groups(site)
             self._agreement.check(

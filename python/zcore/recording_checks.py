@@ -15,8 +15,10 @@ model's structure shows itself on the first step.
   minimum of s); only when they do not, the ranks exchange what each was
   running, to say so. Its limit: where some ranks follow their trace and
   others depart, only the departing ones check, and the collectives still
-  mismatch; a check at every use would catch that, at one all-reduce per
-  module call for good.
+  mismatch (a hang until the process group's timeout, or the backend's own
+  error). Config ``stage3_rank_agreement_check: "every_module"`` checks
+  every use instead, at one small all-reduce per module call, to find such
+  a divergence.
 - ``ReleasedParameterCheck``: a torch function mode, active during a key's
   first forward, that stops the first operator given a parameter zcore has
   released, i.e. one used by a module that neither owns nor declared it

@@ -1,7 +1,9 @@
 """ZeRO-3 ranks whose modules run in different orders fail with an error
 naming each rank's module, instead of hanging in mismatched all-gathers:
-on the first step (the trace is being recorded), and on a later step where
-the ranks leave their agreed trace for different modules."""
+on the first step (the trace is being recorded), on a later step where
+the ranks leave their agreed trace for different modules, and (with
+stage3_rank_agreement_check "every_module") where one rank leaves the trace
+while the other follows it."""
 
 import pytest
 import torch
@@ -28,11 +30,12 @@ class TwoBranches(nn.Module):
         return self.head(h)
 
 
-def train_until_failure(rank, world, branches):
+def train_until_failure(rank, world, branches, check="recording"):
     """Trains on ``branches[step][rank]``; returns (step, message) of the failure."""
     torch.manual_seed(0)
     config = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_rank_agreement_check": check}}
     engine, *_ = zcore.initialize(model=TwoBranches(), config=config)
     x = torch.randn(4, 16)
     for step, per_rank in enumerate(branches):
@@ -45,15 +48,17 @@ def train_until_failure(rank, world, branches):
 
 
 @pytest.mark.parametrize(
-    "branches, failing_step",
+    "branches, failing_step, check",
     [
-        ([("left", "")], 0),  # recording: rank 1 skips the branch
-        ([("", "")] * 2 + [("left", "right")], 2),  # both depart from the trace, differently
+        ([("left", "")], 0, "recording"),  # recording: rank 1 skips the branch
+        ([("", "")] * 2 + [("left", "right")], 2, "recording"),  # both depart, differently
+        # Rank 0 follows its trace while rank 1 departs: only a check at every module sees it.
+        ([("", "")] * 2 + [("", "left")], 2, "every_module"),
     ],
-    ids=["first step", "departure"],
+    ids=["first step", "departure", "one rank departs"],
 )
-def test_ranks_running_different_modules_fail_instead_of_hanging(branches, failing_step):
-    results = run_ranks(train_until_failure, 2, branches, timeout=TIMEOUT)
+def test_ranks_running_different_modules_fail_instead_of_hanging(branches, failing_step, check):
+    results = run_ranks(train_until_failure, 2, branches, check, timeout=TIMEOUT)
     expected = [branches[failing_step][r] or "head" for r in range(2)]
     for rank, got in enumerate(results):
         assert got is not None, f"rank {rank} trained through"
