@@ -51,10 +51,10 @@ class TempFile:
     ``engine``, its bytes go out with O_DIRECT writes (zcore.checkpoint.direct_file)."""
 
     def __init__(self, path: Path, engine: Optional[AioEngine] = None, size: int = 0) -> None:
-        """``size``: the final size, when known. It is reserved up front: the
-        file's blocks then lie together on disk (O_DIRECT writes of ranks
-        saving at once would otherwise interleave them, measured 1.6x slower
-        to read back), and a full disk fails before any byte is written."""
+        """``size``: the final size, when known. It is reserved up front, so
+        a full disk fails before any byte is written, and O_DIRECT writes
+        fill allocated blocks instead of extending the file one request at
+        a time."""
         self.path = Path(path)
         self.temp = self.path.with_name(f".{self.path.name}.tmp")
         try:
