@@ -215,8 +215,9 @@ class ShardedOptimizer:
         # optimizer skips it (no decay, no moment update), as torch.optim does.
         for u, unit in enumerate(self.units):
             shard = self.update.grad_source(u)
+            flags = used[u].tolist()  # indexing the tensor costs microseconds per piece
             for meta, piece in zip(unit.pieces, self.master.pieces[u]):
-                if used[u][meta.param_index]:
+                if flags[meta.param_index]:
                     piece.grad = shard[meta.shard_start : meta.shard_start + meta.numel]
                 else:
                     piece.grad = None
