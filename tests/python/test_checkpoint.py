@@ -65,7 +65,7 @@ def assert_same_losses(got: list[float], ref: list[float], label: str) -> None:
         assert abs(a - b) <= RELATIVE * abs(b), f"{label}: step {SAVE_AT + step} loss {a!r} vs {b!r}"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resumes_at_other_world_sizes(stage: int, tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     ref = run_ranks(uninterrupted, 2, "gpt", config(stage), ckpt)[0]
