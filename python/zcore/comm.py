@@ -77,7 +77,7 @@ class _AllGatherBySendRecv:
             if peer != rank:
                 ops.append(dist.P2POp(dist.isend, shard, peer))
                 ops.append(dist.P2POp(dist.irecv, slices[peer], peer))
-        self._works = dist.batch_isend_irecv(ops) if ops else []
+        self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
         for work in self._works:

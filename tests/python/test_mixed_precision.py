@@ -32,10 +32,9 @@ VARIANTS = [("gpt", 2, 0.05, False), ("gpt", 2, 0.05, True), ("mlp", 1, 0.0, Fal
 
 
 def precision_config(stage, gas, clip, precision, offload):
-    config = zcore_config(stage, gas, clip, precision, offload)
-    if stage == 3:  # gathered and released per module, not kept whole
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    return config
+    # Stage 3: gathered and released per module, not kept whole.
+    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else None
+    return zcore_config(stage, gas, clip, precision, offload, zero=zero)
 
 
 def run_precisions(rank, world):

@@ -45,8 +45,7 @@ def param_tolerance(world: int) -> float:
 def run_variants(rank, world):
     out = {}
     for label, model, gas, clip, offload, keys in VARIANTS:
-        config = zcore_config(3, gas, clip, offload=offload, train_batch_size=BATCH)
-        config["zero_optimization"].update(keys)
+        config = zcore_config(3, gas, clip, offload=offload, zero=keys, train_batch_size=BATCH)
         out[label] = train_zcore(rank, world, model, config, STEPS)
     return out
 

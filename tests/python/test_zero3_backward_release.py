@@ -28,9 +28,7 @@ ONE_AT_A_TIME = {
 
 
 def train_measuring_backward(rank, world):
-    config = zcore_config(3, 1, 0.0)
-    config["zero_optimization"].update(ONE_AT_A_TIME)
-    engine, *_ = zcore.initialize(model=make_model("side"), config=config)
+    engine, *_ = zcore.initialize(model=make_model("side"), config=zcore_config(3, 1, 0.0, zero=ONE_AT_A_TIME))
     batch = engine.train_batch_size()
     losses, peaks = [], []
     for step in range(STEPS):

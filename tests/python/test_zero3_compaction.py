@@ -19,9 +19,7 @@ FRAGMENTING = {
 
 
 def train_fragmenting(rank, world):
-    config = zcore_config(3, 1, 0.0)
-    config["zero_optimization"].update(FRAGMENTING)
-    return train_zcore(rank, world, "revisits", config, STEPS)
+    return train_zcore(rank, world, "revisits", zcore_config(3, 1, 0.0, zero=FRAGMENTING), STEPS)
 
 
 def test_training_through_arena_compactions_matches_single_process():

@@ -27,9 +27,7 @@ ON_DEMAND = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance
 
 def train_returned(rank, world):
     messages = capture_zcore_log()
-    config = zcore_config(3, 1, 0.0)
-    config["zero_optimization"].update(ON_DEMAND)
-    out = train_zcore(rank, world, "returned", config, STEPS)
+    out = train_zcore(rank, world, "returned", zcore_config(3, 1, 0.0, zero=ON_DEMAND), STEPS)
     out["handed_over"] = [m for m in messages.messages if "from a module it called" in m]
     return out
 

@@ -11,6 +11,7 @@ model itself).
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,15 @@ FP16_SCALE_POWER = 8  # small enough that these models never overflow
 
 
 def zcore_config(
-    stage: int, gas: int, clip: float, precision: str = "fp32", offload: bool = False, **extra
+    stage: int,
+    gas: int,
+    clip: float,
+    precision: str = "fp32",
+    offload: bool = False,
+    zero: Optional[dict] = None,
+    **extra,
 ) -> dict:
+    """``zero``: more zero_optimization keys; ``extra``: more top-level keys."""
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,
@@ -38,6 +46,7 @@ def zcore_config(
             "stage": stage,
             "reduce_bucket_size": 3000,
             "offload_optimizer": {"device": "cpu" if offload else "none"},
+            **(zero or {}),
         },
     }
     if precision == "bf16":

@@ -24,9 +24,12 @@ CHUNK = 8 << 20  # bytes per staging buffer, a multiple of PAGE
 DEPTH = 4  # staging buffers: one filling while the others are written
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    shift = -raw.ctypes.data % PAGE
+def page_placed(nbytes: int, offset: int = 0) -> torch.Tensor:
+    """``nbytes`` bytes whose address equals ``offset`` modulo the page
+    size: O_DIRECT moves a file's bytes at ``offset`` straight into or out
+    of them, without the engine's bounce buffers."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    shift = (offset - raw.data_ptr()) % PAGE
     return raw[shift : shift + nbytes]
 
 
@@ -36,7 +39,8 @@ class DirectAppender:
     def __init__(self, engine: AioEngine, path: Path) -> None:
         self.engine = engine
         self.path = path
-        self._buffers = [_aligned(CHUNK) for _ in range(DEPTH)]
+        self._buffers = [page_placed(CHUNK) for _ in range(DEPTH)]
+        self._arrays = [b.numpy() for b in self._buffers]  # the same bytes, for numpy's copy
         self._writes: list[IoHandle | None] = [None] * DEPTH
         self._current = 0  # buffer being filled
         self._filled = 0  # its bytes
@@ -47,7 +51,7 @@ class DirectAppender:
         done = 0
         while done < source.size:
             n = min(CHUNK - self._filled, source.size - done)
-            self._buffers[self._current][self._filled : self._filled + n] = source[done : done + n]
+            self._arrays[self._current][self._filled : self._filled + n] = source[done : done + n]
             self._filled += n
             done += n
             if self._filled == CHUNK:
@@ -74,7 +78,7 @@ class DirectAppender:
             raise first
 
     def _submit(self) -> None:
-        data = torch.from_numpy(self._buffers[self._current][: self._filled])
+        data = self._buffers[self._current][: self._filled]
         self._writes[self._current] = self.engine.pwrite(data, self.path, self._offset)
         self._offset += self._filled
         self._filled = 0

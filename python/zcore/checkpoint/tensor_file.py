@@ -5,7 +5,8 @@ reads through mmap, where every page touched counts toward the process's
 RSS. Checkpoints and consolidation must stream tensor by tensor, so zcore
 writes the (simple) format itself: the header first, since every name, dtype
 and shape is known up front, then each tensor's bytes straight from its
-memory, hashed on the way (with O_DIRECT when given an AioEngine). The files remain ordinary safetensors files.
+memory, hashed on the way (with O_DIRECT when given an AioEngine). The
+files remain ordinary safetensors files.
 
 A file's checksums (one for the header, one per tensor: xxh3-64) are
 returned as a ``FileRecord``; whoever indexes the file keeps them, and the
@@ -27,6 +28,7 @@ import xxhash
 
 from zcore.aio import AioEngine
 from zcore.checkpoint import durable
+from zcore.checkpoint.direct_file import page_placed
 from zcore.errors import CheckpointCorruptError
 
 _CODES = {
@@ -43,7 +45,6 @@ _CODES = {
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _ALIGN = 8  # header padding, as the safetensors library writes it
-_PAGE = 4096  # O_DIRECT alignment
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -264,9 +265,7 @@ class TensorFileReader:
         if entry.start % entry.dtype.itemsize:  # no address of the dtype's alignment fits
             return torch.empty(shape, dtype=entry.dtype)
         size = math.prod(shape) * entry.dtype.itemsize
-        raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-        shift = (entry.start - raw.data_ptr()) % _PAGE
-        return raw[shift : shift + size].view(entry.dtype).view(shape)
+        return page_placed(size, entry.start).view(entry.dtype).view(shape)
 
     def _corrupt(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
