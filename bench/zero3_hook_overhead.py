@@ -1,8 +1,11 @@
 """Host overhead of ZeRO-3's hooks and coordinator per module call, on a deep
 model of tiny layers where it dominates: the same training step with plain
-torch (no sharding) and with zcore stage 3 on a world of one (no
-communication), and the difference per module call (forward and backward
-each call a module's hooks once).
+torch (no sharding), zcore stage 3, FSDP2 (``fully_shard`` on every layer and
+the model) and DeepSpeed stage 3, on a world of one (no communication), and
+the difference to plain torch per module call (forward and backward each
+call a module's hooks once). Every system steps torch.optim.AdamW, so they
+differ only in their hooks and bookkeeping. Each system runs in a fresh
+process (DeepSpeed patches torch when imported).
 
     python bench/zero3_hook_overhead.py [--layers 256] [--steps 20]
 """
@@ -10,29 +13,89 @@ each call a module's hooks once).
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
+import socket
 import statistics
 import time
 
 import torch
 from torch import nn
 
-import zcore
+# label -> (system, stage3_param_persistence_threshold)
+SYSTEMS = {
+    "plain torch (no sharding)": ("plain", None),
+    "zcore stage 3, groups gathered/released": ("zcore", 0),
+    "zcore stage 3, all persistent": ("zcore", 10**9),
+    "FSDP2, fully_shard per layer": ("fsdp2", None),
+    "DeepSpeed stage 3, gathered/released": ("deepspeed", 0),
+    "DeepSpeed stage 3, all persistent": ("deepspeed", 10**9),
+}
+MICRO_BATCH = 4
 
 
-def model(layers: int) -> nn.Module:
+def _model(layers: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
 
 
-def timed_steps(forward, backward, step, steps: int) -> float:
-    x = torch.randn(4, 8)
+def _build(system: str, threshold, model: nn.Module):
+    """(forward, backward, step) for one system."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def torch_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if system == "plain":
+        return model, lambda loss: loss.backward(), torch_step
+    if system == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the sharded parameters
+        return model, lambda loss: loss.backward(), torch_step
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold},
+        "zero_allow_untested_optimizer": True,
+    }
+    if system == "zcore":
+        import zcore
+
+        engine, *_ = zcore.initialize(model=model, config=config, optimizer=opt)
+    else:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=opt)
+    return engine, engine.backward, engine.step
+
+
+def _timed(system: str, threshold, layers: int, steps: int, port: int, out) -> None:
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    forward, backward, step = _build(system, threshold, _model(layers))
+    x = torch.randn(MICRO_BATCH, 8)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         backward(forward(x).square().mean())
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    out.put(statistics.median(times[2:]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -40,31 +103,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(1)
 
-    plain = model(args.layers)
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for label, (system, threshold) in SYSTEMS.items():
+        out = ctx.Queue()
+        proc = ctx.Process(target=_timed, args=(system, threshold, args.layers, args.steps, _free_port(), out))
+        proc.start()
+        rows.append((label, out.get(timeout=600)))
+        proc.join(timeout=60)
 
-    def plain_step():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    t_plain = timed_steps(plain, lambda loss: loss.backward(), plain_step, args.steps)
-
-    rows = [("plain torch (no sharding)", t_plain)]
-    for label, threshold in (("zcore stage 3, groups gathered/released", 0), ("zcore stage 3, all persistent", 10**9)):
-        engine, *_ = zcore.initialize(
-            model=model(args.layers),
-            config={
-                "train_micro_batch_size_per_gpu": 4,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold},
-            },
-        )
-        rows.append((label, timed_steps(engine, engine.backward, engine.step, args.steps)))
-
+    t_plain = rows[0][1]
     calls = 2 * args.layers  # each layer's hooks run in forward and in backward
-    print(f"{args.layers} layers of Linear(8, 8), micro-batch 4, 1 thread, world size 1, median of {args.steps - 2} steps")
+    print(f"{args.layers} layers of Linear(8, 8), micro-batch {MICRO_BATCH}, 1 thread, world size 1, "
+          f"torch AdamW, median of {args.steps - 2} steps")
     print(f"{'':44}{'step ms':>10}{'overhead us per module call':>30}")
     for label, t in rows:
         overhead = (t - t_plain) / calls * 1e6

@@ -61,8 +61,11 @@ class GatherBuffers:
                 Arena.on_device(capacity, device) if device.type == "cuda" else Arena.on_host(capacity)
             )
         self._blocks: dict[int, Block] = {}  # group -> its arena block
-        self._plain: dict[int, torch.Tensor] = {}  # group -> persistent or fallback buffer
-        self._plain_ptrs: dict[int, int] = {}  # storage pointer -> group, for owner_of
+        # group -> its buffer: a plain tensor (persistent or fallback) or a
+        # view of its arena block at the block's current offset (re-derived
+        # at compaction; ``current`` runs several times per gather).
+        self._current: dict[int, torch.Tensor] = {}
+        self._plain_ptrs: dict[int, int] = {}  # plain buffer's storage pointer -> group, for owner_of
         # Arena blocks by start byte, sorted, for owner_of's bisection: it
         # runs for every tensor autograd saves. Offsets only change when
         # the arena compacts, and then the index is rebuilt.
@@ -72,7 +75,7 @@ class GatherBuffers:
         self.stats = BufferStats(arena_capacity=capacity)
 
     def holds(self, group: int) -> bool:
-        return group in self._blocks or group in self._plain
+        return group in self._current
 
     def would_compact(self, group: int) -> bool:
         """Whether taking ``group``'s buffer from the arena would move blocks."""
@@ -111,6 +114,7 @@ class GatherBuffers:
 
     def give_back(self, group: int) -> None:
         nbytes = self._nbytes(group)
+        buf = self._current.pop(group)
         block = self._blocks.pop(group, None)
         if block is not None:
             start = self.arena.offset(block)
@@ -118,17 +122,13 @@ class GatherBuffers:
             del self._group_at[start]
             self.arena.free(block)
         else:
-            buf = self._plain.pop(group)
             del self._plain_ptrs[buf.untyped_storage().data_ptr()]
             if self.persistent[group]:
                 self.stats.persistent_bytes -= nbytes
         self.stats.gathered_bytes -= nbytes
 
     def current(self, group: int) -> torch.Tensor:
-        block = self._blocks.get(group)
-        if block is None:
-            return self._plain[group]
-        return self.arena.tensor(block)[: self.groups[group].padded_numel]
+        return self._current[group]
 
     def in_arena(self) -> list[int]:
         return list(self._blocks)
@@ -153,13 +153,17 @@ class GatherBuffers:
         return group, (byte - start) // t.element_size()
 
     def _index_block(self, group: int) -> None:
-        start = self.arena.offset(self._blocks[group])
+        block = self._blocks[group]
+        start = self.arena.offset(block)
         bisect.insort(self._starts, start)
         self._group_at[start] = group
+        self._current[group] = self.arena.tensor(block)[: self.groups[group].padded_numel]
 
     def _index_blocks(self) -> None:
         self._group_at = {self.arena.offset(b): g for g, b in self._blocks.items()}
         self._starts = sorted(self._group_at)
+        for g, block in self._blocks.items():
+            self._current[g] = self.arena.tensor(block)[: self.groups[g].padded_numel]
 
     def reset_peak(self) -> None:
         self.stats.peak_gathered_bytes = self.stats.gathered_bytes
@@ -167,7 +171,7 @@ class GatherBuffers:
     def _take_plain(self, group: int, persistent: bool) -> torch.Tensor:
         g = self.groups[group]
         buf = torch.empty(g.padded_numel, dtype=g.dtype, device=g.device)
-        self._plain[group] = buf
+        self._current[group] = buf
         self._plain_ptrs[buf.untyped_storage().data_ptr()] = group
         if persistent:
             self.stats.persistent_bytes += self._nbytes(group)

@@ -39,7 +39,7 @@ class _UnitTracker:
         self.missing = [len(u.params) for u in units]
         self.arrived = [[False] * len(u.params) for u in units]
         self.order = list(reversed(range(len(units))))
-        self.next = 0
+        self.next = 0  # order[:next] are launched
 
     def arrive(self, unit: int, index: int) -> bool:
         """Records a gradient; True the first time this micro-step."""
@@ -48,6 +48,9 @@ class _UnitTracker:
         self.arrived[unit][index] = True
         self.missing[unit] -= 1
         return True
+
+    def launched(self, unit: int) -> bool:
+        return len(self.units) - 1 - unit < self.next  # order is the reverse of the units
 
     def launchable(self, flush: bool) -> list[int]:
         """Units to launch now, in order: complete ones, or all when flushing."""
@@ -76,8 +79,9 @@ class GradientReducer:
         self.tracker = _UnitTracker(units)
         self.boundary = True
         # 1 where a parameter received a gradient on this rank in the current
-        # accumulation window; all-reduced (max) at the boundary.
-        self.window_used = [torch.zeros(len(u.params), dtype=torch.int32) for u in units]
+        # accumulation window; all-reduced (max) at the boundary. Lists:
+        # written once per gradient, made a tensor once per window.
+        self.window_used = [[0] * len(u.params) for u in units]
         self._late_unit: int | None = None
 
     def begin_micro_step(self, boundary: bool) -> None:
@@ -90,8 +94,7 @@ class GradientReducer:
             return
         self.window_used[unit][index] = 1
         first = self.tracker.arrive(unit, index)
-        launched = self.tracker.order.index(unit) < self.tracker.next
-        if not first and launched and self._reduces_this_micro_step():
+        if not first and self.tracker.launched(unit) and self._reduces_this_micro_step():
             self._late_unit = unit
         self._accumulate(unit, index, grad)
         if first:
@@ -112,15 +115,15 @@ class GradientReducer:
 
     def used_params(self) -> list[torch.Tensor]:
         """Per unit, 1 where some rank's parameter got a gradient this window."""
+        # On the units' device: an NCCL group has no CPU collectives.
+        device = self.units[0].device if self.units else torch.device("cpu")
+        flags = torch.tensor([f for unit in self.window_used for f in unit], dtype=torch.int32, device=device)
         if self.world_size > 1:
-            flags = torch.cat(self.window_used)
             comm.all_reduce_max(flags)
-            return list(flags.split([len(u.params) for u in self.units]))
-        return [f.clone() for f in self.window_used]
+        return list(flags.split([len(u.params) for u in self.units]))
 
     def end_window(self) -> None:
-        for f in self.window_used:
-            f.zero_()
+        self.window_used = [[0] * len(u.params) for u in self.units]
 
     # Policy-specific parts.
     def _reduces_this_micro_step(self) -> bool:

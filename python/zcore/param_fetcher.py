@@ -33,6 +33,19 @@ hooked), whose calls gather it from then on; the current call takes it over
 before the returning module lets it go. A use zcore cannot see (another
 module's parameter read as an attribute) is caught while the trace records
 (zcore.recording_checks) with an error that names the parameter and the fix.
+
+Activation checkpointing (note "activation checkpointing"):
+``torch.utils.checkpoint(..., use_reentrant=False)`` runs a region's
+forward again inside backward, under its own saved-tensor hooks, so the
+tensors it saves are plain views of the gathered buffers, not the
+relocatable views above. A module call made during backward (a
+recomputation) therefore gathers its groups and keeps them in use after it
+returns, until the backward of a call of the same module is left: then its
+buffers cannot be released or moved while backward may still read what the
+recomputation saved. Calls are matched per module, oldest first; groups of
+a recomputation that no backward leaves afterwards are released at the end
+of the step. The engine's forward turns off checkpoint's early stop, which
+would end a recomputation inside a module, before its forward post-hook.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from zcore import _C, comm
 from zcore.errors import InvalidStateError
@@ -62,13 +76,15 @@ class ModuleCall:
     first gradient of its outputs) and left once: by the gradient of its
     inputs or, when its inputs need none, once the gradients of its trained
     parameters are accumulated (or at the end of backward, when some never
-    come)."""
+    come). A call made during backward is a recomputation (note
+    "activation checkpointing")."""
 
-    __slots__ = ("index", "site", "in_backward", "awaiting")
+    __slots__ = ("index", "site", "recomputed", "in_backward", "awaiting")
 
-    def __init__(self, index: int, site: int) -> None:
+    def __init__(self, index: int, site: int, recomputed: bool) -> None:
         self.index = index  # the fetcher's hooked module
         self.site = site  # coordinator module id (grows when the call takes over a returned parameter)
+        self.recomputed = recomputed
         self.in_backward = False
         # Inputs took no gradient: how many of its trained parameters'
         # gradients are still to come. None: left by its inputs' gradient.
@@ -152,6 +168,8 @@ class ParamFetcher:
         self._entering: list[int] = []  # groups of the module being entered
         # id(param) -> the calls whose backward waits for its gradient.
         self._awaiting: dict[int, list[ModuleCall]] = {}
+        # module index -> its recomputed calls still holding their groups.
+        self._recomputed: dict[int, list[ModuleCall]] = {}
         self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
         self._check_every_module = check_every_module
         self._released_check = ReleasedParameterCheck(
@@ -167,7 +185,11 @@ class ParamFetcher:
         # A key's first step records its trace: check every operator then.
         check = self._released_check if self.coordinator.recording else contextlib.nullcontext()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), check:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
+                set_checkpoint_early_stop(False),
+                check,
+            ):
                 out = module(*args, **kwargs)
         except BaseException:
             self.abort()
@@ -189,6 +211,10 @@ class ParamFetcher:
                 raise
         for call in list(self._backward_open.values()):
             self.exit_backward(call)
+        for calls in self._recomputed.values():
+            for call in calls:
+                self._execute(self.coordinator.after_module(call.site))
+        self._recomputed.clear()
         self._awaiting.clear()
         self._execute(self.coordinator.end_step())
         notice = self.coordinator.take_departure_notice()
@@ -204,6 +230,7 @@ class ParamFetcher:
         self._forward_stack.clear()
         self._backward_open.clear()
         self._awaiting.clear()
+        self._recomputed.clear()
         self._execute(self.coordinator.abort_step())
 
     def publish(self) -> None:
@@ -241,7 +268,8 @@ class ParamFetcher:
 
     # The hooks' side: module calls.
     def enter_forward(self, module: int) -> ModuleCall:
-        call = ModuleCall(module, self.sites[module])
+        recomputed = self.coordinator.in_step and torch._C._current_graph_task_id() != -1
+        call = ModuleCall(module, self.sites[module], recomputed)
         self._enter(call.site)
         self._forward_stack.append(call)
         return call
@@ -249,6 +277,9 @@ class ParamFetcher:
     def exit_forward(self, returned: list[torch.Tensor]) -> ModuleCall:
         """``returned``: the tensors in the module's output."""
         call = self._forward_stack.pop()
+        if call.recomputed:  # note "activation checkpointing"
+            self._recomputed.setdefault(call.index, []).append(call)
+            return call
         if self._forward_stack:
             self._hand_over(returned, self._forward_stack[-1])
         self._execute(self.coordinator.after_module(call.site))
@@ -266,6 +297,9 @@ class ParamFetcher:
             return
         call.in_backward = False
         self._execute(self.coordinator.after_module(call.site))
+        held = self._recomputed.get(call.index)
+        if held:
+            self._execute(self.coordinator.after_module(held.pop(0).site))
 
     def exit_backward_after_grads(self, call: ModuleCall) -> None:
         """``call``'s inputs need no gradient, so nothing marks the end of

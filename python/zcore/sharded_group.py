@@ -41,6 +41,7 @@ class ShardedGroup:
         self.params = params
         self.trainable = params[0].requires_grad
         self.shapes = [p.shape for p in params]
+        self._strides = [torch.empty(shape, device="meta").stride() for shape in self.shapes]  # contiguous
         self.numels = [p.numel() for p in params]
         self.offsets = []
         total = 0
@@ -78,8 +79,9 @@ class ShardedGroup:
 
     def point_params_at(self, full: torch.Tensor) -> None:
         """Parameters become views into ``full`` (padded_numel elements)."""
-        for p, offset, numel, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = full[offset : offset + numel].view(shape)
+        base = full.storage_offset()
+        for p, offset, shape, stride in zip(self.params, self.offsets, self.shapes, self._strides):
+            p.data = full.as_strided(shape, stride, base + offset)  # one op; a slice and a view are two
 
     def release_params(self) -> None:
         for p in self.params:

@@ -223,10 +223,11 @@ class ShardedOptimizer:
                     piece.grad = None
 
     def _global_norm(self, inv_scale: float) -> float:
-        squares = torch.zeros((), dtype=torch.float64)
+        # On the gradients' device: an NCCL group has no CPU collectives.
+        squares = torch.zeros((), dtype=torch.float64, device=self.reducer.grad_shard(0).device)
         for u in range(len(self.units)):
             shard = self.reducer.grad_shard(u)
-            squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double().cpu() ** 2
+            squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double() ** 2
         # Stage 0 reduces whole gradients: every rank already has the total.
         if self.reducer.sharded and self.world_size > 1:
             comm.all_reduce_sum(squares)

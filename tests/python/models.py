@@ -11,9 +11,10 @@ import zcore
 from zcore.demo.gpt import GPT, GPTConfig
 
 
-def TinyGPT() -> nn.Module:
-    """zcore's demo GPT, tiny; its LM head is tied to the token embedding."""
-    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+def TinyGPT(**options) -> nn.Module:
+    """zcore's demo GPT, tiny; its LM head is tied to the token embedding.
+    ``options``: more GPTConfig fields (activation checkpointing)."""
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, **options))
 
 
 class FrozenMLP(nn.Module):
@@ -186,6 +187,9 @@ class Revisits(nn.Module):
 
 MODELS = {
     "gpt": TinyGPT,
+    # The same weights, each block under torch.utils.checkpoint.
+    "gpt_checkpointed": lambda: TinyGPT(checkpoint_blocks=True),
+    "gpt_checkpointed_reentrant": lambda: TinyGPT(checkpoint_blocks=True, reentrant=True),
     "mlp": FrozenMLP,
     "branch": BranchMLP,
     "mix": MixedUse,
@@ -215,9 +219,13 @@ def forward(name: str, model: nn.Module, x: torch.Tensor, step: int, rank: int) 
     return model(x)
 
 
+def takes_tokens(name: str) -> bool:
+    return name.startswith("gpt")
+
+
 def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 + step)
-    if name == "gpt":
+    if takes_tokens(name):
         tokens = torch.randint(0, 64, (size, 17), generator=gen)
         return tokens[:, :-1], tokens[:, 1:]
     x = torch.randn(size, 16, generator=gen)
@@ -225,6 +233,6 @@ def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.T
 
 
 def loss_of(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if takes_tokens(name):
         return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
     return F.mse_loss(output.float(), target)

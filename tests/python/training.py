@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zcore
-from models import forward, global_batch, loss_of, make_model
+from models import forward, global_batch, loss_of, make_model, takes_tokens
 
 GLOBAL_BATCH = 8
 LR = 3e-3
@@ -75,7 +75,7 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
         total = torch.zeros(())
         for m in range(gas):
             part = rows(m * world + rank, world * gas, batch)
-            xs = x[part] if model_name == "gpt" else x[part].to(dtype)
+            xs = x[part] if takes_tokens(model_name) else x[part].to(dtype)
             loss = loss_of(model_name, forward(model_name, engine, xs, step, rank), y[part])
             engine.backward(loss)
             engine.step()
@@ -119,7 +119,7 @@ def train_reference(
         total = 0.0
         for q in range(parts):
             part = rows(q, parts, batch)
-            xs = x[part] if model_name == "gpt" else x[part].to(dtype)
+            xs = x[part] if takes_tokens(model_name) else x[part].to(dtype)
             out = forward(model_name, model, xs, step, rank=q % world)
             loss = loss_of(model_name, out, y[part])
             (loss * (scale / parts)).backward()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class GPTConfig:
     d_model: int = 512
     n_layers: int = 6
     n_heads: int = 8
+    # Recompute each block's activations in backward instead of keeping them.
+    checkpoint_blocks: bool = False
+    reentrant: bool = False
 
 
 class Block(nn.Module):
@@ -57,7 +61,10 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=self.cfg.reentrant)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
 

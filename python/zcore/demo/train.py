@@ -85,8 +85,8 @@ def main() -> None:
     progress.close()
 
     report = engine.memory_report()
-    gathered = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([float(report.measured.total)]))
+    gathered = [torch.zeros(1, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([float(report.measured.total)], device=device))
     if rank == 0:
         ddp = 16 * params  # fp32 Adam under DDP: parameters, gradients, exp_avg, exp_avg_sq
         print(f"loss {first:.3f} -> {last:.3f} over {args.steps} steps")
