@@ -35,17 +35,19 @@ module's parameter read as an attribute) is caught while the trace records
 (zcore.recording_checks) with an error that names the parameter and the fix.
 
 Activation checkpointing (note "activation checkpointing"):
-``torch.utils.checkpoint(..., use_reentrant=False)`` runs a region's
-forward again inside backward, under its own saved-tensor hooks, so the
-tensors it saves are plain views of the gathered buffers, not the
-relocatable views above. A module call made during backward (a
-recomputation) therefore gathers its groups and keeps them in use after it
-returns, until the backward of a call of the same module is left: then its
-buffers cannot be released or moved while backward may still read what the
-recomputation saved. Calls are matched per module, oldest first; groups of
-a recomputation that no backward leaves afterwards are released at the end
-of the step. The engine's forward turns off checkpoint's early stop, which
-would end a recomputation inside a module, before its forward post-hook.
+``torch.utils.checkpoint`` runs a region's forward again inside backward
+(recognised by autograd's current graph task). Non-reentrant, it does so
+under its own saved-tensor hooks, so the tensors it saves are plain views
+of the gathered buffers, not the relocatable views above; reentrant, it
+backpropagates the recomputed graph at once. A recomputed module call
+therefore gathers its groups and keeps them in use after it returns, until
+the backward of a call of the same module is left (the original call's,
+or with reentrant checkpointing its own): its buffers cannot be released
+or moved while backward may still read what the recomputation saved.
+Calls are matched per module, oldest first; groups of a recomputation that
+no backward leaves afterwards are released at the end of the step. The
+engine's forward turns off checkpoint's early stop, which would end a
+recomputation inside a module, before its forward post-hook.
 """
 
 from __future__ import annotations
