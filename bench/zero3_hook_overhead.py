@@ -7,7 +7,7 @@ call a module's hooks once). Every system steps torch.optim.AdamW, so they
 differ only in their hooks and bookkeeping. Each system runs in a fresh
 process (DeepSpeed patches torch when imported).
 
-    python bench/zero3_hook_overhead.py [--layers 256] [--steps 20]
+    python bench/zero3_hook_overhead.py [--layers 256] [--steps 50]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
