@@ -110,6 +110,9 @@ class _ReduceScatterByAllToAll:
         self._work = dist.all_to_all_single(self._received, full, async_op=True)
 
     def wait(self) -> None:
+        """Like torch's Work.wait(): a second call returns at once."""
+        if self._received is None:
+            return
         self._work.wait()
         torch.sum(self._received.view(-1, self._shard.numel()), dim=0, out=self._shard)
         self._received = None
