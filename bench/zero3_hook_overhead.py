@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
 import torch
 from torch import nn
+
+from zero_stages import _free_port
 
 # label -> (system, stage3_param_persistence_threshold)
 SYSTEMS = {
@@ -90,12 +91,6 @@ def _timed(system: str, threshold, layers: int, steps: int, port: int, out) -> N
         step()
         times.append(time.perf_counter() - start)
     out.put(statistics.median(times[2:]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -157,13 +157,16 @@ class GatherBuffers:
         start = self.arena.offset(block)
         bisect.insort(self._starts, start)
         self._group_at[start] = group
-        self._current[group] = self.arena.tensor(block)[: self.groups[group].padded_numel]
+        self._current[group] = self._view(group, block)
 
     def _index_blocks(self) -> None:
         self._group_at = {self.arena.offset(b): g for g, b in self._blocks.items()}
         self._starts = sorted(self._group_at)
         for g, block in self._blocks.items():
-            self._current[g] = self.arena.tensor(block)[: self.groups[g].padded_numel]
+            self._current[g] = self._view(g, block)
+
+    def _view(self, group: int, block: Block) -> torch.Tensor:
+        return self.arena.tensor(block)[: self.groups[group].padded_numel]
 
     def reset_peak(self) -> None:
         self.stats.peak_gathered_bytes = self.stats.gathered_bytes

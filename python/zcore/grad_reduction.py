@@ -32,14 +32,13 @@ _MAX_IN_FLIGHT = 2
 
 class _UnitTracker:
     """Which parameters of each unit have delivered a gradient this micro-step,
-    and the fixed launch order."""
+    and the fixed launch order: the last unit first (backward's order)."""
 
     def __init__(self, units: list[Unit]) -> None:
         self.units = units
         self.missing = [len(u.params) for u in units]
         self.arrived = [[False] * len(u.params) for u in units]
-        self.order = list(reversed(range(len(units))))
-        self.next = 0  # order[:next] are launched
+        self.launches = 0  # units[-launches:] are launched
 
     def arrive(self, unit: int, index: int) -> bool:
         """Records a gradient; True the first time this micro-step."""
@@ -50,23 +49,23 @@ class _UnitTracker:
         return True
 
     def launched(self, unit: int) -> bool:
-        return len(self.units) - 1 - unit < self.next  # order is the reverse of the units
+        return unit >= len(self.units) - self.launches
 
     def launchable(self, flush: bool) -> list[int]:
         """Units to launch now, in order: complete ones, or all when flushing."""
         ready = []
-        while self.next < len(self.order):
-            unit = self.order[self.next]
+        while self.launches < len(self.units):
+            unit = len(self.units) - 1 - self.launches
             if not flush and self.missing[unit] > 0:
                 break
             ready.append(unit)
-            self.next += 1
+            self.launches += 1
         return ready
 
     def reset(self) -> None:
         self.missing = [len(u.params) for u in self.units]
         self.arrived = [[False] * len(u.params) for u in self.units]
-        self.next = 0
+        self.launches = 0
 
 
 class GradientReducer:
