@@ -1,25 +1,68 @@
 #!/usr/bin/env bash
 # Prepares a fresh Debian/Ubuntu machine for zcore and builds it into .venv:
-# system packages, a virtual environment with torch 2.13.0 (CPU wheel) and the
-# dev tools, then an incremental build of the package with its C++ tests and
-# microbenchmarks (persistent build dir: build/py).
+# system packages (as root, or through sudo), a virtual environment with torch
+# 2.13.0 and the dev tools, then an incremental build of the package with its
+# C++ tests and microbenchmarks (persistent build dir: build/py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(libaio-dev libgtest-dev libbenchmark-dev ninja-build)
-missing=()
-for pkg in "${apt_packages[@]}"; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "zcore setup: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+fail() {
+  echo "zcore setup: $*" >&2
+  exit 1
+}
 
 python=${PYTHON:-python3}
+command -v "$python" >/dev/null || fail "no '$python' on PATH: install Python 3.9 or newer (apt-get install -y python3), or set PYTHON to one"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 9))' \
+  || fail "$("$python" -V 2>&1) is too old: zcore needs Python 3.9 or newer (set PYTHON to one)"
+py_version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+py_prefix=$("$python" -c 'import sys; print(sys.base_prefix)')
+
+installed() {
+  dpkg -s "$1" 2>/dev/null | grep -qx 'Status: install ok installed'
+}
+
+# What the build needs from the system. Tools count as present when they are on
+# PATH, however they got there; libraries only when their Debian package is.
+missing=()
+command -v c++ >/dev/null || missing+=(g++)
+command -v cmake >/dev/null || missing+=(cmake)
+for pkg in ninja-build libaio-dev libgtest-dev libbenchmark-dev; do
+  installed "$pkg" || missing+=("$pkg")
+done
+# Debian's own Python ships venv and its C headers as separate packages; any
+# other Python (pyenv, conda, python.org builds) brings both or is the user's.
+if [ ! -x .venv/bin/python ] && ! "$python" -c 'import ensurepip' 2>/dev/null; then
+  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) cannot create virtual environments (no ensurepip): use a Python that can"
+  missing+=("python$py_version-venv")
+fi
+if ! "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) has no C headers (Python.h), which the build needs: use a Python that has them"
+  missing+=("python$py_version-dev")
+fi
+
+if ((${#missing[@]})); then
+  install_command="apt-get update && apt-get install -y ${missing[*]}"
+  command -v apt-get >/dev/null \
+    || fail "missing system packages ${missing[*]} (Debian names), and this machine has no apt-get: install their equivalents, then run this again"
+  if [ "$(id -u)" -eq 0 ]; then
+    as_root() { "$@"; }
+  elif command -v sudo >/dev/null; then
+    as_root() { sudo "$@"; }
+  else
+    fail "missing system packages ${missing[*]}; installing them needs root, and you are not root and have no sudo. Ask an administrator to run: $install_command"
+  fi
+  echo "zcore setup: installing ${missing[*]}"
+  # `env` makes the variable an argument, so the same words work with and without sudo.
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+    && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+    || fail "could not install ${missing[*]}: run as root: $install_command"
+fi
+
+cmake_version=$(cmake --version | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
+[ "$(printf '%s\n3.24\n' "$cmake_version" | sort -V | head -n1)" = 3.24 ] \
+  || fail "cmake $cmake_version is too old: zcore needs 3.24 or newer (Debian 12 and Ubuntu 24.04 have it)"
+
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 # Pinned: an unpinned torch pulls the newest CUDA build (gigabytes).
 .venv/bin/python -m pip install -q torch==2.13.0
