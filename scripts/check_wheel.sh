@@ -4,12 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The system packages the build links (libaio); also makes sure the Python
+# used below can create virtual environments.
+scripts/setup.sh
+
 rm -rf dist build/wheel-venv
-python3 -m pip wheel . -w dist --no-deps -q
+"${PYTHON:-python3}" -m venv build/wheel-venv
+# The fresh environment's own pip builds the wheel: the system Python may have
+# none (Debian ships pip separately).
+build/wheel-venv/bin/python -m pip wheel . -w dist --no-deps -q
 wheel=$(ls dist/zcore-*.whl)
 echo "wheel: $wheel ($(du -h "$wheel" | cut -f1))"
 
-python3 -m venv build/wheel-venv
 build/wheel-venv/bin/python -m pip install -q torch==2.13.0 numpy
 build/wheel-venv/bin/python -m pip install -q "$wheel"
 so=$(build/wheel-venv/bin/python -c "import zcore._C as c; print(c.__file__)" 2>/dev/null || true)

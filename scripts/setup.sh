@@ -13,13 +13,22 @@ fail() {
 
 python=${PYTHON:-python3}
 command -v "$python" >/dev/null || fail "no '$python' on PATH: install Python 3.9 or newer (apt-get install -y python3), or set PYTHON to one"
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 9))' \
-  || fail "$("$python" -V 2>&1) is too old: zcore needs Python 3.9 or newer (set PYTHON to one)"
-py_version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-py_prefix=$("$python" -c 'import sys; print(sys.base_prefix)')
+# One question to the interpreter: its version, whether it has its C headers
+# (the build needs Python.h) and its prefix (last: it may hold spaces).
+facts=$("$python" -c '
+import os, sys, sysconfig
+headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+print("%d.%d" % sys.version_info[:2], int(headers), sys.base_prefix)') \
+  || fail "$python does not run: install Python 3.9 or newer, or set PYTHON to one"
+read -r py_version py_headers py_prefix <<<"$facts"
+[ "$(printf '%s\n3.9\n' "$py_version" | sort -V | head -n1)" = 3.9 ] \
+  || fail "$python is Python $py_version: zcore needs 3.9 or newer (set PYTHON to one)"
 
 installed() {
-  dpkg -s "$1" 2>/dev/null | grep -qx 'Status: install ok installed'
+  local status
+  status=$(dpkg -s "$1" 2>/dev/null) || return 1
+  # dpkg still knows a removed package whose configuration files remain.
+  ! grep -q '^Status: ' <<<"$status" || grep -Eq '^Status: [a-z]+ [a-z]+ installed$' <<<"$status"
 }
 
 # What the build needs from the system. Tools count as present when they are on
@@ -27,17 +36,24 @@ installed() {
 missing=()
 command -v c++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
-for pkg in ninja-build libaio-dev libgtest-dev libbenchmark-dev; do
-  installed "$pkg" || missing+=("$pkg")
-done
-# Debian's own Python ships venv and its C headers as separate packages; any
-# other Python (pyenv, conda, python.org builds) brings both or is the user's.
-if [ ! -x .venv/bin/python ] && ! "$python" -c 'import ensurepip' 2>/dev/null; then
-  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) cannot create virtual environments (no ensurepip): use a Python that can"
+if command -v dpkg >/dev/null; then
+  for pkg in ninja-build libaio-dev libgtest-dev libbenchmark-dev; do
+    installed "$pkg" || missing+=("$pkg")
+  done
+else
+  echo "zcore setup: no dpkg (not Debian/Ubuntu): install libaio, GoogleTest, Google Benchmark and ninja yourself; the build names what it cannot find" >&2
+fi
+# Debian's own Python ships venv (ensurepip) and its C headers as separate
+# packages; any other Python (pyenv, conda, python.org builds) brings both.
+make_venv() {
+  [ -x .venv/bin/python ] || "$python" -m venv .venv >/dev/null 2>&1 || { rm -rf .venv; return 1; }
+}
+if ! make_venv; then
+  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) cannot create a virtual environment ($python -m venv .venv fails): use a Python that can, or set PYTHON to one"
   missing+=("python$py_version-venv")
 fi
-if ! "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
-  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) has no C headers (Python.h), which the build needs: use a Python that has them"
+if [ "$py_headers" = 0 ]; then
+  [ "$py_prefix" = /usr ] || fail "$python ($py_prefix) has no C headers (Python.h), which the build needs: use a Python that has them, or set PYTHON to one"
   missing+=("python$py_version-dev")
 fi
 
@@ -63,7 +79,7 @@ cmake_version=$(cmake --version | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
 [ "$(printf '%s\n3.24\n' "$cmake_version" | sort -V | head -n1)" = 3.24 ] \
   || fail "cmake $cmake_version is too old: zcore needs 3.24 or newer (Debian 12 and Ubuntu 24.04 have it)"
 
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+make_venv || fail "$python -m venv .venv still fails after installing python$py_version-venv: run it to see why"
 # Pinned: an unpinned torch pulls the newest CUDA build (gigabytes).
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -r requirements-dev.txt

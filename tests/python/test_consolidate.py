@@ -4,7 +4,6 @@ consolidation streams (peak memory near twice the largest tensor)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,9 +72,10 @@ def test_bf16_output_split_files_and_the_command(tmp_path: Path) -> None:
     for key, value in reference.items():
         assert merged[key].dtype == torch.bfloat16
         assert torch.equal(merged[key], value.to(torch.bfloat16)), key
-    if shutil.which("zcore") is not None:  # the console script, where installed on PATH
-        help_text = subprocess.run(["zcore", "consolidate", "--help"], capture_output=True, text=True, timeout=120)
-        assert "--max-shard-size" in help_text.stdout
+    # The console script installed beside this interpreter (not whichever `zcore` is on PATH).
+    zcore_cli = Path(sys.executable).with_name("zcore")
+    help_text = subprocess.run([str(zcore_cli), "consolidate", "--help"], capture_output=True, text=True, timeout=120)
+    assert "--max-shard-size" in help_text.stdout
 
 
 class ManyParameters(nn.Module):
