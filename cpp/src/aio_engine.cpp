@@ -28,6 +28,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "aio_internal.h"
@@ -59,18 +60,66 @@ void check_config(const AioConfig& c) {
   }
 }
 
+// Largest end (offset + bytes) of a request: round_up() of any end stays
+// representable, and no file on Linux can reach it anyway (off_t is int64).
+constexpr std::int64_t kMaxRequestEnd = std::numeric_limits<std::int64_t>::max() / kIoAlignment * kIoAlignment;
+
+const char* file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+Error not_a_regular_file(const std::string& path, mode_t mode) {
+  return Error(StatusCode::kInvalidArgument,
+               path + " is " + file_type_name(mode) +
+                   ": the I/O engine reads and writes regular files only; give the path of one",
+               {{"path", path}});
+}
+
+// Opens a regular file without blocking: O_NONBLOCK keeps the open of a FIFO
+// (or device) from waiting for a peer, and fstat on the descriptor then
+// refuses anything but a regular file (no race between checking and opening).
+int open_regular(const std::string& path, int flags, std::int64_t offset, std::int64_t bytes) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st {};
+    // A write-only open of a FIFO fails (ENXIO), as does one of a directory
+    // (EISDIR): name the file's kind rather than the errno.
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) throw not_a_regular_file(path, st.st_mode);
+    errno = err;
+    return -1;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw aio::io_error("fstat", path, offset, bytes, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw not_a_regular_file(path, st.st_mode);
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
 // Opens `path`, with O_DIRECT when `direct`; falls back to the page cache when
 // the filesystem refuses O_DIRECT (EINVAL). Returns the fd and whether it is direct.
 std::pair<int, bool> open_file(const std::string& path, int flags, bool direct, std::int64_t offset,
                                std::int64_t bytes) {
   if (direct) {
-    const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+    const int fd = open_regular(path, flags | O_DIRECT, offset, bytes);
     if (fd >= 0) return {fd, true};
     if (errno != EINVAL) {
       throw aio::io_error("open", path, offset, bytes, errno);
     }
   }
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+  const int fd = open_regular(path, flags, offset, bytes);
   if (fd < 0) throw aio::io_error("open", path, offset, bytes, errno);
   return {fd, false};
 }
@@ -177,6 +226,13 @@ IoHandle QueuedEngine::submit(const IoRequest& io) {
                 "an I/O request needs a buffer, bytes > 0, offset >= 0 and a path; got bytes=" +
                     std::to_string(io.bytes) + ", offset=" + std::to_string(io.offset) +
                     ", path='" + io.path + "'",
+                {{"bytes", io.bytes}, {"offset", io.offset}, {"path", io.path}});
+  }
+  if (io.bytes > kMaxRequestEnd - io.offset) {
+    throw Error(StatusCode::kInvalidArgument,
+                "an I/O request of " + std::to_string(io.bytes) + " bytes at offset " +
+                    std::to_string(io.offset) + " of " + io.path + " ends past the largest file offset (" +
+                    std::to_string(kMaxRequestEnd) + " bytes)",
                 {{"bytes", io.bytes}, {"offset", io.offset}, {"path", io.path}});
   }
   auto r = std::make_shared<Request>();

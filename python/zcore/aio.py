@@ -36,8 +36,20 @@ from zcore._staging import (
     make_pool,
     nbytes,
 )
-from zcore.errors import InvalidHandleError
+from zcore.errors import InvalidArgumentError, InvalidHandleError
 from zcore.host_memory import LockMode
+
+_MAX_OFFSET = 2**63 - 1  # the native engine's int64; it refuses requests ending past its own limit
+
+
+def _file_offset(offset: object) -> int:
+    # A bool is an int to Python, and an int past int64 would reach the
+    # binding as a raw TypeError: both are refused here with the value.
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= _MAX_OFFSET:
+        raise InvalidArgumentError(
+            f"offset must be an int in [0, 2**63), got {offset!r}", offset=offset
+        )
+    return offset
 
 
 class IoHandle:
@@ -136,6 +148,7 @@ class AioEngine:
         """Starts writing the bytes of ``tensor`` to ``path`` at ``offset``
         (the file is created if needed, never truncated)."""
         check_tensor(tensor, "pwrite")
+        offset = _file_offset(offset)
         size = nbytes(tensor)
         staging = None
         address = tensor.data_ptr()
@@ -151,6 +164,7 @@ class AioEngine:
     ) -> IoHandle:
         """Starts reading ``tensor.nbytes`` bytes at ``offset`` of ``path`` into ``tensor``."""
         check_tensor(tensor, "pread")
+        offset = _file_offset(offset)
         size = nbytes(tensor)
         if tensor.device.type != "cuda":
             native = self._native.submit(False, tensor.data_ptr(), size, os.fspath(path), offset)

@@ -8,9 +8,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
+#include <limits>
 #include <random>
 #include <thread>
 #include <string>
@@ -18,6 +21,7 @@
 
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
 #include "zcore/aio_engine.h"
 #include "zcore/status.h"
 
@@ -310,6 +314,70 @@ TEST_P(AioEngineTest, AlignedRequestsNeedNoBounceOrPageCache) {
   } else {
     EXPECT_EQ(s.page_cache_bytes, 2u << 20);
   }
+}
+
+TEST_P(AioEngineTest, RequestsEndingPastTheLargestOffsetAreRefusedAtSubmit) {
+  MAKE_ENGINE(engine);
+  const std::string path = tmp_.file("far");
+  Buffer b(8192, 0);
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::pair<std::int64_t, std::int64_t> cases[] = {
+      {kMax - 15, 4096}, {kMax - 4095, 4096}, {kMax / 2 + 1, kMax / 2 + 1}, {1, kMax}, {kMax, 1}};
+  for (const auto& [offset, bytes] : cases) {
+    for (const IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+      const Error e = zcore::testing_support::error_of(
+          [&] { engine->submit({op, b.data(), bytes, path, offset}); });
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << offset << " + " << bytes << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("largest file offset"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_FALSE(fs::exists(path));  // refused before the file was created
+  EXPECT_EQ(engine->pending(), 0);
+  engine->wait(engine->submit({IoOp::kWrite, b.data(), 100, path, 0}));
+}
+
+// Submits to a FIFO on another thread; a regression that blocks in open() is
+// released by opening the FIFO's other end, so the test fails instead of hanging.
+void expect_fifo_refused_promptly(AioEngine& engine, IoOp op, const std::string& fifo) {
+  Buffer b(4096, 0);
+  std::promise<std::string> outcome;
+  std::thread submitter([&] {
+    try {
+      engine.submit({op, b.data(), 4096, fifo, 0});
+      outcome.set_value("accepted");
+    } catch (const Error& e) {
+      outcome.set_value(e.code() == StatusCode::kInvalidArgument ? e.what() : "wrong code: " + std::string(e.what()));
+    }
+  });
+  auto future = outcome.get_future();
+  if (future.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    const int peer = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);
+    submitter.join();
+    ::close(peer);
+    FAIL() << "submit blocked on the FIFO " << fifo;
+  }
+  submitter.join();
+  const std::string what = future.get();
+  EXPECT_NE(what.find("is a FIFO"), std::string::npos) << what;
+}
+
+TEST_P(AioEngineTest, NonRegularFilesAreRefusedWithoutBlocking) {
+  MAKE_ENGINE(engine);
+  const std::string fifo = tmp_.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  expect_fifo_refused_promptly(*engine, IoOp::kRead, fifo);
+  expect_fifo_refused_promptly(*engine, IoOp::kWrite, fifo);
+  Buffer b(4096, 0);
+  const std::pair<std::string, std::string> others[] = {
+      {"/dev/null", "a character device"}, {"/dev/zero", "a character device"}, {tmp_.dir(), "a directory"}};
+  for (const auto& [path, kind] : others) {
+    for (const IoOp op : {IoOp::kRead, IoOp::kWrite}) {
+      const Error e = zcore::testing_support::error_of([&] { engine->submit({op, b.data(), 4096, path, 0}); });
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << path;
+      EXPECT_NE(std::string(e.what()).find(path + " is " + kind), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(engine->pending(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AioEngineTest,

@@ -273,3 +273,59 @@ def test_cuda_tensors_round_trip_through_host_staging(tmp_path: Path) -> None:
     back = torch.empty_like(t)
     engine.pread(back, tmp_path / "cuda.bin", 5).wait()
     assert torch.equal(back, t)
+
+
+# A regression here aborted the process (heap corruption) or hung it, so each
+# case runs in its own interpreter with a timeout.
+REFUSAL_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, zcore
+    backend, path, offset = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    engine = zcore.AioEngine(backend=backend)
+    for call in (engine.pwrite, engine.pread):
+        try:
+            call(torch.zeros(4096, dtype=torch.uint8), path, offset).wait()
+        except zcore.InvalidArgumentError as e:
+            print("refused:", e)
+        else:
+            print("accepted")
+""")
+
+
+def run_refusal(backend: str, path: Path, offset: int) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSAL_SCRIPT, backend, str(path), str(offset)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [2**63 - 16, 2**63 - 4096, 2**63 - 1])
+def test_offsets_ending_past_the_largest_file_offset_are_refused(backend, offset, tmp_path):
+    lines = run_refusal(backend, tmp_path / "far", offset)
+    assert len(lines) == 2 and all("largest file offset" in line for line in lines), lines
+    assert not (tmp_path / "far").exists()
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**64 + 5, -1, True, 1.5])
+def test_offsets_outside_int64_are_invalid_arguments(engine, offset, tmp_path):
+    for call in (engine.pwrite, engine.pread):
+        with pytest.raises(zcore.InvalidArgumentError, match="offset must be an int"):
+            call(torch.zeros(16, dtype=torch.uint8), tmp_path / "f", offset)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fifo_is_refused_instead_of_blocking(backend, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    lines = run_refusal(backend, fifo, 0)
+    assert len(lines) == 2 and all(f"{fifo} is a FIFO" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "DIR"])
+def test_devices_and_directories_are_refused(engine, path, tmp_path):
+    target = tmp_path if path == "DIR" else Path(path)
+    for call in (engine.pwrite, engine.pread):
+        with pytest.raises(zcore.InvalidArgumentError, match="regular files only"):
+            call(torch.zeros(16, dtype=torch.uint8), target, 0).wait()
