@@ -16,6 +16,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kNoSpace: return "NoSpace";
     case StatusCode::kShortRead: return "ShortRead";
     case StatusCode::kFileTooSmall: return "FileTooSmall";
+    case StatusCode::kSwapFileLost: return "SwapFileLost";
   }
   return "Unknown";
 }

@@ -85,6 +85,14 @@ SwapManager::SwapManager(const SwapConfig& config)
     : config_(config),
       path_(create_swap_file(config)),
       extents_(round_up(config.capacity)) {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0) {
+    const int err = errno;
+    ::unlink(path_.c_str());
+    throw directory_error("cannot stat the swap file", path_, err);
+  }
+  device_ = st.st_dev;
+  inode_ = st.st_ino;
   try {
     engine_ = AioEngine::create(engine_config(config));
   } catch (...) {
@@ -108,6 +116,30 @@ void SwapManager::check_open() const {
   }
 }
 
+void SwapManager::check_usable() const {
+  check_open();
+  if (lost_) throw *lost_;
+}
+
+void SwapManager::check_file() {
+  struct stat st {};
+  const bool present = ::stat(path_.c_str(), &st) == 0;
+  if (present && st.st_dev == device_ && st.st_ino == inode_) return;
+  const auto found = present ? static_cast<std::int64_t>(st.st_ino) : 0;
+  lost_ = std::make_unique<Error>(
+      StatusCode::kSwapFileLost,
+      "the swap file " + path_ + " was " +
+          (present ? "replaced by another file (inode " + std::to_string(inode_) + " is now " +
+                         std::to_string(found) + ")"
+                   : std::string("deleted")) +
+          " while " + std::to_string(entries_.size()) +
+          " tensors were swapped out to it; their bytes are gone. Keep swap directories away from "
+          "tmp cleaners and other jobs, and create a new swap manager",
+      std::vector<std::pair<std::string, ErrorDetail>>{
+          {"path", path_}, {"inode", static_cast<std::int64_t>(inode_)}, {"found_inode", found}});
+  throw *lost_;
+}
+
 SwapManager::Entry& SwapManager::find(SwapId id) {
   return const_cast<Entry&>(static_cast<const SwapManager*>(this)->find(id));
 }
@@ -125,7 +157,7 @@ const SwapManager::Entry& SwapManager::find(SwapId id) const {
 
 void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_open();
+  check_usable();
   if (bytes <= 0 || data == nullptr) {
     throw Error(StatusCode::kInvalidArgument,
                 "swap_out needs a buffer and bytes > 0, got bytes=" + std::to_string(bytes),
@@ -151,6 +183,7 @@ void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
   const auto offset = static_cast<std::int64_t>(extents_.offset(extent));
   IoHandle io;
   try {
+    check_file();
     io = engine_->submit({IoOp::kWrite, const_cast<void*>(data), bytes, path_, offset});
   } catch (...) {
     if (fresh) extents_.free(extent);
@@ -182,6 +215,7 @@ BlockHandle SwapManager::allocate_extent(SwapId id, std::uint64_t bytes) {
 
 void SwapManager::swap_in(SwapId id, void* data, std::int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
   Entry& e = find(id);
   if (e.state != SwapState::kOnDisk) {
     throw Error(StatusCode::kInvalidArgument,
@@ -196,6 +230,7 @@ void SwapManager::swap_in(SwapId id, void* data, std::int64_t bytes) {
                 {{"id", id}, {"bytes", bytes}, {"expected", e.bytes}});
   }
   const auto offset = static_cast<std::int64_t>(extents_.offset(e.extent));
+  check_file();
   e.io = engine_->submit({IoOp::kRead, data, bytes, path_, offset});
   e.state = SwapState::kReading;
 }
@@ -219,6 +254,15 @@ void SwapManager::wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock) {
     error = std::make_unique<Error>(e);
   }
   lock.lock();
+  // The file may have been replaced between the check before submit and the
+  // engine's open: then the bytes went to, or came from, another file.
+  if (!error) {
+    try {
+      check_file();
+    } catch (const Error& e) {
+      error = std::make_unique<Error>(e);
+    }
+  }
   // The entry cannot have gone: release() and swap_out() refuse ids in flight.
   Entry& e = entries_.at(id);
   if (error && state == SwapState::kWriting) {
@@ -229,6 +273,7 @@ void SwapManager::wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock) {
   }
   if (error) throw *error;
   (state == SwapState::kWriting ? bytes_out_ : bytes_in_) += static_cast<std::uint64_t>(e.bytes);
+  if (lost_) throw *lost_;  // waited for (the caller may free its buffer), but the bytes are gone
 }
 
 void SwapManager::wait(SwapId id) {
@@ -256,6 +301,7 @@ void SwapManager::wait_all() {
 
 void SwapManager::release(SwapId id) {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
   const Entry& e = find(id);
   if (e.state != SwapState::kOnDisk) {
     throw Error(StatusCode::kInvalidArgument,
@@ -269,24 +315,26 @@ void SwapManager::release(SwapId id) {
 
 bool SwapManager::contains(SwapId id) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_open();
+  check_usable();
   return entries_.count(id) != 0;
 }
 
 SwapState SwapManager::state(SwapId id) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
   return find(id).state;
 }
 
 SwapExtent SwapManager::extent(SwapId id) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
   const Entry& e = find(id);
   return {extents_.offset(e.extent), static_cast<std::uint64_t>(e.bytes)};
 }
 
 std::vector<SwapId> SwapManager::ids() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_open();
+  check_usable();
   std::vector<SwapId> out;
   for (const auto& entry : entries_) out.push_back(entry.first);
   return out;
@@ -305,7 +353,9 @@ void SwapManager::close() {
   // The engine's destructor waits for I/O still in flight on the callers' buffers.
   engine_.reset();
   entries_.clear();
-  ::unlink(path_.c_str());
+  struct stat st {};
+  // A file that replaced ours at this path is someone else's.
+  if (::stat(path_.c_str(), &st) == 0 && st.st_dev == device_ && st.st_ino == inode_) ::unlink(path_.c_str());
 }
 
 }  // namespace zcore

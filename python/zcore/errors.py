@@ -83,6 +83,12 @@ class FileTooSmallError(DiskIOError):
     """A read asks for bytes past the end of the file (``file_size``)."""
 
 
+class SwapFileLostError(DiskIOError):
+    """The swap file was deleted or replaced (a tmp cleaner, another job):
+    what was swapped out is gone, and the swap manager refuses further work.
+    ``path`` names the file; ``inode`` and ``found_inode`` (0: missing) say what changed."""
+
+
 class ConfigError(ZcoreError, ValueError):
     """A config key that is unknown, unsupported, mistyped or inconsistent."""
 
@@ -115,6 +121,7 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
     "NoSpace": DiskFullError,
     "ShortRead": ShortReadError,
     "FileTooSmall": FileTooSmallError,
+    "SwapFileLost": SwapFileLostError,
 }
 
 

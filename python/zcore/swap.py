@@ -19,6 +19,13 @@ The constructor refuses, before any training, a directory it cannot write
 (:class:`zcore.DiskIOError`) or one whose filesystem has less than
 ``capacity`` bytes free (:class:`zcore.DiskFullError`). ``close()`` (or
 leaving the ``with`` block) removes the swap file.
+
+The swap file is checked to be the one created (device and inode) before
+each I/O and after it: if it was deleted (a tmp cleaner) or replaced,
+:class:`zcore.SwapFileLostError` says so, instead of a swap-in returning
+zeros or another file's bytes. What was swapped out is then gone: every later
+call but ``close()`` raises the same error, and ``close()`` leaves a file
+that is not the manager's own in place.
 """
 
 from __future__ import annotations

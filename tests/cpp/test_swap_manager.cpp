@@ -6,16 +6,22 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
 #include "zcore/status.h"
 #include "zcore/swap_manager.h"
 
 namespace fs = std::filesystem;
+using zcore::IoBackend;
+using zcore::testing_support::code_of;
+using zcore::testing_support::error_of;
 using zcore::Error;
 using zcore::StatusCode;
 using zcore::SwapConfig;
@@ -167,6 +173,71 @@ TEST_F(SwapTest, CloseRemovesTheSwapFile) {
   EXPECT_FALSE(fs::exists(swap.path()));
   EXPECT_THROW(swap.ids(), Error);
 }
+
+// The file a tmp cleaner deletes, or another job replaces, must never hand
+// back zeros or foreign bytes: each backend, each way of losing the file.
+class SwapFileLostTest : public SwapTest, public ::testing::WithParamInterface<IoBackend> {
+ protected:
+  // A manager on the backend under test holding id 1 (`bytes` random bytes) on disk.
+  std::unique_ptr<SwapManager> holding_one_id(std::int64_t capacity, std::int64_t bytes) {
+    SwapConfig c = config(capacity);
+    c.io.backend = GetParam();
+    auto swap = std::make_unique<SwapManager>(c);
+    data_ = random_bytes(static_cast<std::size_t>(bytes), 1);
+    swap->swap_out(1, data_.data(), bytes);
+    swap->wait(1);
+    return swap;
+  }
+  std::vector<unsigned char> data_;
+};
+
+TEST_P(SwapFileLostTest, DeletedFileIsLostAndNotRecreated) {
+  auto owner = holding_one_id(1 << 20, 10000);
+  SwapManager& swap = *owner;
+  ASSERT_EQ(::unlink(swap.path().c_str()), 0);
+  const auto b = random_bytes(10000, 2);
+  EXPECT_EQ(code_of([&] { swap.swap_out(2, b.data(), 10000); }), StatusCode::kSwapFileLost);
+  EXPECT_FALSE(fs::exists(swap.path()));  // not recreated by the write
+  std::vector<unsigned char> back(10000);
+  const zcore::Error e = error_of([&] { swap.swap_in(1, back.data(), 10000); });
+  EXPECT_EQ(e.code(), StatusCode::kSwapFileLost);
+  EXPECT_NE(std::string(e.what()).find("was deleted"), std::string::npos) << e.what();
+  EXPECT_EQ(code_of([&] { swap.release(1); }), StatusCode::kSwapFileLost);
+  swap.close();
+}
+
+TEST_P(SwapFileLostTest, ReplacedFileIsLostAndLeftInPlace) {
+  auto owner = holding_one_id(1 << 20, 8192);
+  SwapManager& swap = *owner;
+  const std::string other = swap.path() + ".other";
+  {
+    std::ofstream f(other, std::ios::binary);
+    const std::vector<char> same_size(fs::file_size(swap.path()), 7);
+    f.write(same_size.data(), static_cast<std::streamsize>(same_size.size()));
+  }
+  fs::rename(other, swap.path());
+  std::vector<unsigned char> back(8192);
+  const zcore::Error e = error_of([&] { swap.swap_in(1, back.data(), 8192); });
+  EXPECT_EQ(e.code(), StatusCode::kSwapFileLost);
+  EXPECT_NE(std::string(e.what()).find("replaced by another file"), std::string::npos) << e.what();
+  swap.close();
+  EXPECT_TRUE(fs::exists(swap.path()));  // close() removes only its own file
+}
+
+TEST_P(SwapFileLostTest, FileDeletedWhileASwapInIsPendingFailsItsWait) {
+  auto owner = holding_one_id(4 << 20, 3 << 20);
+  SwapManager& swap = *owner;
+  std::vector<unsigned char> back(3 << 20);
+  swap.swap_in(1, back.data(), 3 << 20);
+  ASSERT_EQ(::unlink(swap.path().c_str()), 0);
+  // The open descriptor may still finish the read; either way wait() reports the loss.
+  EXPECT_EQ(code_of([&] { swap.wait(1); }), StatusCode::kSwapFileLost);
+  EXPECT_EQ(code_of([&] { swap.contains(1); }), StatusCode::kSwapFileLost);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SwapFileLostTest,
+                         ::testing::Values(IoBackend::kAuto, IoBackend::kThreadPool),
+                         [](const auto& info) { return std::string(zcore::io_backend_name(info.param)); });
 
 TEST_F(SwapTest, RefusesAMissingDirectoryOrTooLittleFreeSpace) {
   SwapConfig missing = config(1 << 20);

@@ -151,3 +151,36 @@ def test_cuda_tensors_swap_through_staging(tmp_path: Path) -> None:
         back = swap.swap_in(7)
         swap.wait(7)
         assert back.device == t.device and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("backend", ["auto", "threadpool"])
+def test_a_deleted_swap_file_is_lost_not_read_back_as_zeros(tmp_path: Path, backend: str) -> None:
+    """A tmp cleaner deletes the file; the next swap-out used to recreate it,
+    and swap_in of an older key then returned zeros."""
+    swap = zcore.SwapManager(tmp_path, 1 << 20, rank=0, backend=backend)
+    swap.swap_out(1, torch.arange(1000, dtype=torch.float32))
+    swap.wait(1)
+    os.unlink(swap.path)
+    with pytest.raises(zcore.SwapFileLostError, match="was deleted"):
+        swap.swap_out(2, torch.ones(1000))
+    assert not os.path.exists(swap.path)
+    with pytest.raises(zcore.SwapFileLostError) as lost:
+        swap.swap_in(1)
+    assert lost.value.path == swap.path
+    swap.close()
+
+
+@pytest.mark.parametrize("backend", ["auto", "threadpool"])
+def test_a_replaced_swap_file_is_lost_and_kept(tmp_path: Path, backend: str) -> None:
+    swap = zcore.SwapManager(tmp_path, 1 << 20, rank=0, backend=backend)
+    swap.swap_out(1, torch.arange(2048, dtype=torch.float32))
+    swap.wait(1)
+    size = os.path.getsize(swap.path)
+    other = tmp_path / "other"
+    other.write_bytes(b"\0" * size)
+    os.replace(other, swap.path)
+    with pytest.raises(zcore.SwapFileLostError, match="replaced by another file") as lost:
+        swap.swap_in(1)
+    assert lost.value.found_inode == os.stat(swap.path).st_ino != lost.value.inode
+    swap.close()
+    assert os.path.getsize(swap.path) == size  # someone else's file: left alone

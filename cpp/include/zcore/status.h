@@ -29,6 +29,7 @@ enum class StatusCode {
   kNoSpace,          // a write or a planned swap size does not fit on the filesystem
   kShortRead,        // a file ended before the bytes a read asked for (truncated under it)
   kFileTooSmall,     // a read asks for bytes past the end of the file
+  kSwapFileLost,     // a swap file was deleted or replaced: the bytes swapped out are gone
 };
 
 const char* status_code_name(StatusCode code);

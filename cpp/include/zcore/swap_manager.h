@@ -19,7 +19,16 @@
 // EROFS, ...), and its filesystem must have `capacity` bytes free (kNoSpace
 // with `required` and `available`). close() (or the destructor) waits for
 // pending I/O and removes the swap file.
+//
+// The swap file is checked to be the one created (device and inode) before
+// every I/O is submitted and again when it completes. A file deleted (a tmp
+// cleaner) or replaced under the manager is kSwapFileLost, never a swap-in of
+// zeros or of another file's bytes: the swapped-out bytes are gone, so every
+// later call but close() raises the same error (create a new manager), and
+// close() leaves a file that is not its own in place.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <memory>
@@ -30,6 +39,7 @@
 
 #include "zcore/aio_engine.h"
 #include "zcore/allocator.h"
+#include "zcore/status.h"
 
 namespace zcore {
 
@@ -115,12 +125,18 @@ class SwapManager {
   Entry& find(SwapId id);
   const Entry& find(SwapId id) const;
   void check_open() const;
+  void check_usable() const;  // open, and the swap file not lost
   BlockHandle allocate_extent(SwapId id, std::uint64_t bytes);
   void finish(SwapId id, Entry& entry);  // after the I/O of entry completed
   void wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock);
+  // Throws kSwapFileLost (and remembers it) unless path_ is still the file created.
+  void check_file();
 
   const SwapConfig config_;
   std::string path_;
+  dev_t device_ = 0;  // identity of the swap file created
+  ino_t inode_ = 0;
+  std::unique_ptr<Error> lost_;  // set once the file was found deleted or replaced
   std::unique_ptr<AioEngine> engine_;
   ContiguousAllocator extents_;
 
