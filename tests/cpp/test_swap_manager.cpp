@@ -161,9 +161,10 @@ TEST_F(SwapTest, StateMachineRefusesOverlappingUse) {
 TEST_F(SwapTest, CloseRemovesTheSwapFile) {
   std::string path;
   {
+    // Declared first, destroyed last: the swap-out reads it until the manager's destructor waits.
+    std::vector<unsigned char> buf(8192, 1);
     SwapManager swap(config(1 << 20));
     path = swap.path();
-    std::vector<unsigned char> buf(8192, 1);
     swap.swap_out(1, buf.data(), 8192);
     EXPECT_TRUE(fs::exists(path));
   }

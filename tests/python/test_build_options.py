@@ -45,3 +45,9 @@ def test_builds_without_cuda_and_without_libaio(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+
+
+def test_unknown_sanitizer_is_a_clear_error(tmp_path):
+    done = configure(tmp_path, "-DZCORE_CUDA=OFF", "-DZCORE_SANITIZE=thread")
+    assert done.returncode != 0
+    assert "ZCORE_SANITIZE must be empty, address, undefined or address,undefined" in done.stderr
