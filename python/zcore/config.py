@@ -10,10 +10,19 @@ refused naming the key and what is allowed.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from zcore.config_keys import UNSUPPORTED_KEYS, split_unsupported
 from zcore.errors import ConfigError
@@ -21,8 +30,55 @@ from zcore.errors import ConfigError
 Auto = Literal["auto"]
 
 
+# Largest integer any key takes: sizes and counts end up in int64 fields of
+# the native core and in products of them, so 2**62 leaves room.
+MAX_CONFIG_INT = 2**62
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    # strict: no coercion (true is not 1, "4" is not 4, 2.0 is not 2);
+    # allow_inf_nan: Infinity and NaN (which Python's json accepts) are refused.
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, frozen=True, strict=True, allow_inf_nan=False
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, raw: Any) -> Any:
+        # DeepSpeed configs write sizes as 5e8, which JSON reads as a float:
+        # an exact integer is the same value; 2.5 or Infinity stays an error.
+        if not isinstance(raw, dict):
+            return raw
+        fields = cls.model_fields
+        for key, v in raw.items():
+            # A bool is an int to Python, so strict mode still lets it match Literal[0, 1, ...].
+            if isinstance(v, bool) and key in fields and bool not in _plain_types(fields[key].annotation):
+                raise ValueError(f"{key!r} must not be a boolean, got {v}")
+        return {
+            key: int(v)
+            if isinstance(v, float) and v.is_integer() and key in fields and _takes_int(fields[key].annotation)
+            else v
+            for key, v in raw.items()
+        }
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_CONFIG_INT:
+            raise ValueError(f"must be at most 2**62 in magnitude, got {v}")
+        return v
+
+
+def _takes_int(annotation: Any) -> bool:
+    """Whether a field annotated so takes an int and no float (Optional and unions seen through)."""
+    kinds = _plain_types(annotation)
+    return int in kinds and float not in kinds
+
+
+def _plain_types(annotation: Any) -> set[Any]:
+    if isinstance(annotation, type):
+        return {annotation}
+    return {t for arg in get_args(annotation) for t in _plain_types(arg)}
 
 
 class AdamParams(_Section):
@@ -35,6 +91,12 @@ class AdamParams(_Section):
     adam_w_mode: bool = True
     torch_adam: bool = False
     amsgrad: Literal[False] = False
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_json(cls, v: Any) -> Any:
+        # JSON has no tuples: a list of two is the same value.
+        return tuple(v) if isinstance(v, list) else v
 
     @field_validator("betas")
     @classmethod
@@ -241,13 +303,7 @@ def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
     if config is None:
         raise ConfigError("zcore.initialize needs a config (a dict or a path to a JSON file)")
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+        raw = _read_config_file(Path(config))
     elif isinstance(config, dict):
         raw = config
     else:
@@ -262,6 +318,41 @@ def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+_MAX_CONFIG_FILE = 1 << 20  # bytes; DeepSpeed configs are a few KB
+
+
+def _read_config_file(path: Path) -> dict:
+    name = repr(str(path))
+    try:
+        # O_NONBLOCK: a FIFO given as the config must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {name}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"config file {name} is not a regular file; give the path of a JSON file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(_MAX_CONFIG_FILE + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {name}: {exc.strerror}") from None
+    if len(data) > _MAX_CONFIG_FILE:
+        raise ConfigError(f"config file {name} is larger than {_MAX_CONFIG_FILE} bytes; is it a config?")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {name} is not UTF-8 text (byte {exc.start}); save it as UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {name} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file {name} holds a JSON {type(raw).__name__}; a zcore (DeepSpeed) config is a JSON object"
+        )
+    return raw
 
 
 def _describe(exc: ValidationError) -> str:

@@ -1,6 +1,7 @@
 """The config: DeepSpeed's keys and rules, and errors that name the key."""
 
 import json
+import os
 
 import pytest
 
@@ -119,3 +120,89 @@ def test_adam_type_follows_deepspeed_weight_decay_mode():
         {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}
     ).optimizer
     assert not l2.decoupled_weight_decay
+
+
+BASE = {"train_batch_size": 8}
+
+
+def with_key(path: str, value):
+    """BASE with `value` at the dotted `path` (sections created as needed)."""
+    config = json.loads(json.dumps(BASE))
+    *sections, key = path.split(".")
+    node = config
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value
+    return config
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("zero_optimization.stage", True),
+        ("train_batch_size", "4"),
+        ("train_batch_size", True),
+        ("train_batch_size", 4.5),
+        ("steps_per_print", "10"),
+        ("gradient_clipping", "1.0"),
+        ("gradient_clipping", float("inf")),
+        ("gradient_clipping", float("nan")),
+        ("optimizer.params.lr", float("inf")),
+        ("optimizer.params.betas", [0.9, "0.99"]),
+        ("bf16.enabled", 1),
+        ("bf16.enabled", "true"),
+        ("zero_optimization.reduce_bucket_size", 2**63),
+        ("zero_optimization.stage3_max_live_parameters", 2**64),
+        ("zero_optimization.stage3_prefetch_bucket_size", float(2**70)),
+    ],
+)
+def test_values_are_not_coerced(path, value):
+    config = with_key(path, value)
+    if path.startswith("optimizer.params"):
+        config["optimizer"]["type"] = "AdamW"
+    with pytest.raises(zcore.ConfigError, match=path.split(".")[-1]):
+        load_config(config)
+
+
+def test_integral_floats_are_the_integers_deepspeed_configs_write():
+    cfg = load_config({"train_batch_size": 8.0, "zero_optimization": {"reduce_bucket_size": 5e8, "stage": 3}})
+    assert cfg.train_batch_size == 8 and type(cfg.train_batch_size) is int
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"[1, 2]", "holds a JSON list"),
+        (b"null", "holds a JSON NoneType"),
+        (b'"stage 3"', "holds a JSON str"),
+        (b"42", "holds a JSON int"),
+        (b'{"train_batch_size": 8,}', "not valid JSON: .*line 1 column"),
+        (b'{"train_batch_size": 8, "x": "\xff\xfe"}', "not UTF-8 text"),
+    ],
+)
+def test_config_files_that_are_not_a_json_object_name_the_file(tmp_path, content, expected):
+    path = tmp_path / "ds.json"
+    path.write_bytes(content)
+    with pytest.raises(zcore.ConfigError, match=expected) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_directory_fifo_or_missing_file_as_config_names_it(tmp_path):
+    with pytest.raises(zcore.ConfigError, match="not a regular file") as info:
+        load_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(zcore.ConfigError, match="not a regular file"):
+        load_config(fifo)  # used to block in open() until a writer came
+    with pytest.raises(zcore.ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.json")
+
+
+def test_a_huge_config_file_is_refused_without_reading_it_whole(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_bytes(b" " * (2 << 20) + b"{}")
+    with pytest.raises(zcore.ConfigError, match="larger than"):
+        load_config(path)
