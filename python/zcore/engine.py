@@ -8,6 +8,7 @@ boundaries.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from zcore import checkpoint
 from zcore.comm import DistributedContext
 from zcore.config import Config
+from zcore.errors import InvalidStateError
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
 from zcore.sharded_optimizer import ShardedOptimizer
@@ -72,6 +74,13 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+class MicroStep(enum.Enum):
+    """Where the engine is in a micro-batch: backward, then step."""
+
+    AWAITING_BACKWARD = "awaiting backward"  # step() now would count a micro-step with no gradients
+    AWAITING_STEP = "awaiting step"  # this micro-batch's gradients are in
+
+
 class Engine:
     def __init__(
         self,
@@ -97,6 +106,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
+        self.micro_step_phase = MicroStep.AWAITING_BACKWARD
 
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -133,10 +143,17 @@ class Engine:
             raise
         self.residency.end_step()
         reducer.end_backward()
+        self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
     def step(self) -> None:
         """Steps the optimizer at an accumulation boundary; counts the micro-step."""
+        if self.micro_step_phase is not MicroStep.AWAITING_STEP:
+            raise InvalidStateError(
+                "engine.step() was called without engine.backward(loss) since the last step, which "
+                "would count a micro-step that has no gradients; call engine.backward(loss) first "
+                "(every micro-batch: forward, backward, step)"
+            )
         if self.is_gradient_accumulation_boundary():
             result = self.optimizer.step()
             self.last_grad_norm = result.grad_norm
@@ -160,6 +177,7 @@ class Engine:
                     self.skipped_steps,
                 )
         self.micro_steps += 1
+        self.micro_step_phase = MicroStep.AWAITING_BACKWARD
 
     def zero_grad(self) -> None:
         """Gradients live in zcore's buffers and are cleared after each step;

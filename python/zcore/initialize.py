@@ -10,6 +10,7 @@ gradient-reduction policy of the stage, hook autograd, and wrap it all.
 from __future__ import annotations
 
 import functools
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -18,7 +19,7 @@ import torch
 from zcore import comm, gathered_parameters, hooks
 from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
-from zcore.errors import ConfigError
+from zcore.errors import ConfigError, InvalidStateError
 from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
 from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
@@ -39,6 +40,10 @@ from zcore.sharded_optimizer import (
 )
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
+
+# Models wrapped by an engine: their parameters were re-pointed at zcore's
+# buffers and carry its hooks, so a second engine over them would corrupt the first.
+_WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def initialize(
@@ -62,6 +67,7 @@ def initialize(
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
     """
+    _refuse_wrapped(model)
     cfg = load_config(config)
     context = comm.init_distributed()
     batch = BatchSizes(*cfg.batch_sizes(context.world_size))
@@ -127,8 +133,19 @@ def initialize(
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, context, batch, residency, handles)
+    _WRAPPED.add(model)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
+
+
+def _refuse_wrapped(model: torch.nn.Module) -> None:
+    wrapped = next((name for name, m in model.named_modules() if m in _WRAPPED), None)
+    if wrapped is not None:
+        where = "this model" if wrapped == "" else f"its submodule {wrapped!r}"
+        raise InvalidStateError(
+            f"zcore.initialize was already called on {where}: an engine owns its parameters "
+            "and hooks. Keep using that engine (engine.module is the model), or build a new model"
+        )
 
 
 def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedContext) -> None:

@@ -133,10 +133,28 @@ def check_errors_and_data(rank, world):
         zcore.initialize(model=small_model(), config={"train_batch_size": 2})
 
     data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 2))
-    _, _, loader, _ = zcore.initialize(model=small_model(), config=config, training_data=data)
+    model = small_model()
+    engine, _, loader, _ = zcore.initialize(model=model, config=config, training_data=data)
     sizes = [len(x) for x, _ in loader]
     assert sizes == [2, 2, 2, 2, 2]
+    check_misuse(engine, model, config)
     return True
+
+
+def check_misuse(engine, model, config):
+    """step() without backward() counts nothing; a wrapped model is not wrapped again."""
+    with pytest.raises(zcore.InvalidStateError, match=r"without engine.backward\(loss\)"):
+        engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (0, 0)
+    x, y = batch(0)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    with pytest.raises(zcore.InvalidStateError, match="without engine.backward"):
+        engine.step()
+    assert engine.micro_steps == 1
+    for wrapped in (model, nn.Sequential(model)):
+        with pytest.raises(zcore.InvalidStateError, match="already called on"):
+            zcore.initialize(model=wrapped, config=config)
 
 
 def test_counters_boundaries_and_schedule_world1_without_launcher():
