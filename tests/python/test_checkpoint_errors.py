@@ -141,7 +141,7 @@ def load_optimizer_groups_differ(rank: int, world: int, ckpt: str) -> str:
 
 def test_other_parameter_groups_are_refused(ckpt: Path) -> None:
     message = run_ranks(load_optimizer_groups_differ, 2, str(ckpt))[0]
-    assert "1 optimizer parameter groups, this engine 2" in message
+    assert "1 optimizer parameter groups (its meta.json says), this engine 2" in message
 
 
 def rewrite_json(path: Path, change) -> str:

@@ -11,6 +11,7 @@ all succeeded, and only then is the state replaced, by steps that cannot fail.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -34,7 +35,7 @@ def read_meta(tag_dir: Path) -> schema.Meta:
     content = durable.read_json(path)
     if not isinstance(content, dict) or content.get("format") != directory.FORMAT:
         found = content.get("format") if isinstance(content, dict) else content
-        raise CheckpointError(f"{tag_dir} is not a zcore checkpoint (format {shown(found)})", path=str(path))
+        raise CheckpointError(f"{tag_dir} is not a zcore checkpoint ({path} says format {shown(found)})", path=str(path))
     version = content.get("version")
     if type(version) is int and version > directory.VERSION:
         raise CheckpointError(
@@ -52,7 +53,7 @@ def resolve(load_dir: str | Path, tag: Optional[str]) -> Optional[Path]:
         if tag is None:
             return None
     tag_dir = root / directory.check_tag(tag)
-    if not (tag_dir / directory.META).is_file():
+    if not os.path.lexists(tag_dir / directory.META):  # anything there is read (and refused) as meta.json
         raise CheckpointError(
             f"no complete checkpoint {tag_dir} (no {directory.META}); tags in {root}: "
             f"{directory.tags_in(root) or 'none'}"
@@ -159,6 +160,8 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
             staged.slots.append((slot, value))
         if options.optimizer:
             staged.states = {}
+            inner = engine.optimizer.inner
+            groups = {id(p): g for g in inner.param_groups for p in g["params"]}
             for slot in layout.slots_of(TRAINED):
                 keys = saved.state_keys(slot.name)
                 if not keys:
@@ -166,11 +169,17 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
                 state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
                 owner = next((ix for ix in indexes if slot.name in ix.scalars), None)
                 scalars = owner.scalars[slot.name] if owner is not None else {}
+                path = tag_dir / directory.rank_index(owner.rank if owner is not None else 0)
                 both = sorted(set(scalars) & set(state))
                 if both:
-                    path = tag_dir / directory.rank_index(owner.rank)
                     raise schema.invalid(path, f"scalars.{slot.name}.{both[0]}", "is also a ranged state")
                 state.update(training_state.join_scalars(scalars))
+                try:
+                    training_state.check_piece_state(
+                        state, inner.state.get(slot.piece), meta.optimizer.kind, groups[id(slot.piece)], slot.data
+                    )
+                except ValueError as exc:
+                    raise schema.invalid(path, f"optimizer state of {slot.name}", str(exc)) from None
                 staged.states[slot.piece] = state
         if options.training:
             staged.counters = meta.counters
@@ -225,7 +234,7 @@ def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
             if names:
                 parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} is of another model; tensors " + "; ".join(parts)
+            f"checkpoint {tag_dir} is of another model (as its {directory.META} describes it); tensors " + "; ".join(parts)
             + ". Load it into the model it was saved from (or pass load_module_only with a matching model)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )
@@ -236,7 +245,7 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
     kind = training_state.optimizer_kind(engine.optimizer.inner)
     if saved.kind != kind:
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} holds {saved.kind} optimizer states; this engine's optimizer is "
+            f"checkpoint {tag_dir} holds {saved.kind} optimizer states (its {directory.META} says); this engine's optimizer is "
             f"{kind}. Use the same optimizer, or load with load_optimizer_states=False"
         )
     ours = [set(g) for g in layout.groups]
@@ -252,7 +261,7 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
                     f"only in the engine {sorted(mine - its)[:5]}"
                 )
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} has {len(theirs)} optimizer parameter groups, this engine "
+            f"checkpoint {tag_dir} has {len(theirs)} optimizer parameter groups (its {directory.META} says), this engine "
             f"{len(ours)}; they differ in {'; '.join(differences[:3])}. Build the optimizer with the "
             "same groups, or load with load_optimizer_states=False"
         )

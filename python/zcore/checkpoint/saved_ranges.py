@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from zcore.aio import AioEngine
+from zcore.checkpoint import directory
 from zcore.checkpoint.schema import RankIndex
 from zcore.checkpoint.tensor_file import FileRecord, TensorFileReader
 from zcore.errors import CheckpointCorruptError
@@ -38,6 +39,8 @@ class SavedRanges:
         read with O_DIRECT through it."""
         self.tag_dir = tag_dir
         self._engine = engine
+        last = directory.rank_index(len(indexes) - 1)
+        self._indexes = directory.rank_index(0) + (f" to {last}" if len(indexes) > 1 else "")
         self._records: dict[tuple[int, str], FileRecord] = {}
         self._saved: dict[tuple[str, Optional[str]], list[_Saved]] = defaultdict(list)
         for rank, index in enumerate(indexes):
@@ -88,8 +91,8 @@ class SavedRanges:
         if position < stop or out is None:
             what = name if state is None else f"optimizer state {state!r} of {name}"
             raise CheckpointCorruptError(
-                f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: a rank's "
-                "files are missing from its index; the checkpoint is incomplete, load another tag",
+                f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: no rank index "
+                f"({self._indexes}) lists them; the checkpoint is incomplete, load another tag",
                 path=str(self.tag_dir),
             )
         return out

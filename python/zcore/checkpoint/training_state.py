@@ -10,7 +10,7 @@ import copy
 import json
 import math
 import random
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -166,6 +166,40 @@ def join_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = s.value
     return out
+
+
+_ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def check_piece_state(state: dict[str, Any], live: Optional[dict], kind: str, group: dict, like: torch.Tensor) -> None:
+    """Raises ValueError unless a parameter piece's loaded optimizer state has
+    the keys and kinds its optimizer keeps: those of the live state when the
+    optimizer has stepped, else Adam's (the update rules zcore builds);
+    ranged states of ``like``'s dtype, one-element tensors as the live ones
+    (Adam's step: float32, shape [], never negative)."""
+    if live:
+        expected: Optional[set] = set(live)
+    elif kind in ("Adam", "AdamW"):
+        expected = _ADAM_STATE | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+        live = {"step": torch.tensor(0.0)}
+    else:
+        expected, live = None, {}
+    if expected is not None and set(state) != expected:
+        raise ValueError(f"holds state keys {sorted(state)}; the optimizer keeps {sorted(expected)}")
+    for key, value in state.items():
+        ref = live.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and not isinstance(ref, torch.Tensor):
+            ref = like
+        if isinstance(ref, torch.Tensor) and ref.dim() > 0:
+            if not isinstance(value, torch.Tensor) or value.dtype != ref.dtype:
+                raise ValueError(f"state {key!r} must be a {ref.dtype} range, not {shown(value)}")
+        elif isinstance(ref, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.dtype != ref.dtype or value.shape != ref.shape:
+                raise ValueError(f"state {key!r} must be a {ref.dtype} tensor of shape {list(ref.shape)}")
+        elif ref is not None and type(value) is not type(ref):
+            raise ValueError(f"state {key!r} must be a {type(ref).__name__}, not {shown(value)}")
+        if key == "step" and (value < 0 if not isinstance(value, torch.Tensor) else bool((value < 0).any())):
+            raise ValueError(f"state 'step' must not be negative, got {shown(value)}")
 
 
 def scheduler_state(scheduler: Any) -> Any:
