@@ -236,6 +236,13 @@ class Engine:
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
 
+    def restore_counters(self, counters: checkpoint.schema.Counters) -> None:
+        """The step counters of a loaded checkpoint, from its validated record."""
+        self.global_steps = counters.global_steps
+        self.global_samples = counters.global_samples
+        self.micro_steps = counters.micro_steps
+        self.skipped_steps = counters.skipped_steps
+
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an

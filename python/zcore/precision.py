@@ -60,7 +60,7 @@ class StaticLossScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = state["scale"]
+        self.scale = state.get("scale", self.scale)
 
 
 @dataclass
@@ -110,8 +110,12 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        """A validated state (zcore.checkpoint.schema.ScalerState): the four
+        keys of a dynamic scaler, the scale of a static one, or nothing."""
+        self.scale = state.get("scale", self.scale)
+        self.iteration = state.get("iteration", self.iteration)
+        self.last_overflow_iteration = state.get("last_overflow_iteration", self.last_overflow_iteration)
+        self.hysteresis_left = state.get("hysteresis_left", self.hysteresis_left)
 
 
 @dataclass(frozen=True)

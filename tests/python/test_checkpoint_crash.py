@@ -81,10 +81,11 @@ def load_latest(rank: int, world: int, roots: list[str]) -> list[tuple[str, Opti
 
 
 # (which durable call, the k-th call dies, the tag of the second save).
-# A world-of-one save makes 5 commits: weights, state, index, meta, latest
-# (the tag directory is renamed between the 4th and the 5th).
-CASES = [("commit", k, "b") for k in range(1, 6)] + [("commit", k, "a") for k in (3, 4, 5)] + [
-    ("write", 2, "b"),  # inside the weights file
+# A world-of-one save makes 6 commits: the staging directory's owner.json,
+# weights, state, index, meta, latest (the tag directory is renamed between
+# the 5th and the 6th).
+CASES = [("commit", k, "b") for k in range(1, 7)] + [("commit", k, "a") for k in (4, 5, 6)] + [
+    ("write", 3, "b"),  # inside the weights file
     ("write", 60, "b"),  # inside the state file
 ]
 
@@ -96,7 +97,7 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="died with exit code -9"):
             run_ranks(save_then_crash, 1, str(root), kind, kill_at, second, launcher=False)
         roots.append(str(root))
-        rename_done.append(kind == "commit" and kill_at == 5)
+        rename_done.append(kind == "commit" and kill_at == 6)
     for (kind, kill_at, second), root, renamed in zip(CASES, roots, rename_done):
         root = Path(root)
         assert (root / "latest").read_text() == "a", f"{kind} {kill_at}: latest moved"
@@ -114,6 +115,7 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
         expected_file = "expected-a-new.pt" if (renamed and second == "a") else "expected-a.pt"
         expected = torch.load(Path(root) / expected_file, weights_only=True)
         assert name == "a", label
+        assert not list(Path(root).glob(".*.partial")), f"{label}: the load left the killed save's staging"
         assert state.keys() == expected.keys(), label
         for key, value in expected.items():
             assert torch.equal(state[key], value), f"{label}: {key}"
@@ -136,9 +138,9 @@ def test_a_later_save_does_not_touch_earlier_tags(tmp_path: Path) -> None:
 
 
 # Two ranks: (the rank that dies, which durable call, the k-th call dies).
-# Each rank commits its weights (1), state (2) and index (3); rank 0 then
-# meta.json (4) before the rename.
-TWO_RANK_CASES = [(1, "commit", 1), (1, "write", 2), (0, "commit", 4)]
+# Each rank commits its weights, state and index (rank 0 after the staging
+# directory's owner.json); rank 0 then meta.json (5) before the rename.
+TWO_RANK_CASES = [(1, "commit", 1), (1, "write", 2), (0, "commit", 5)]
 
 
 def test_a_rank_killed_while_two_ranks_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:

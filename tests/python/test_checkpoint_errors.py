@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ def load_optimizer_groups_differ(rank: int, world: int, ckpt: str) -> str:
 
 def test_other_parameter_groups_are_refused(ckpt: Path) -> None:
     message = run_ranks(load_optimizer_groups_differ, 2, str(ckpt))[0]
-    assert "1 optimizer parameter groups, this engine 2" in message
+    assert "1 optimizer parameter groups (its meta.json says), this engine 2" in message
 
 
 def rewrite_json(path: Path, change) -> str:
@@ -236,3 +237,53 @@ def test_index_json_is_plain_json(ckpt: Path) -> None:
     meta = json.loads((ckpt / TAG / "meta.json").read_text())
     assert meta["content"]["format"] == "zcore-checkpoint"
     assert not list((ckpt / TAG).glob("*.pt")) and not list((ckpt / TAG).glob("*.pkl"))
+
+
+def test_garbage_rng_on_one_rank_fails_every_rank_and_changes_nothing(ckpt: Path) -> None:
+    """Re-signed, and of the right types and lengths: rank 1's python RNG
+    position past the end of its words, which only setting the state finds.
+    Before, rank 0 loaded (and reported success) while rank 1 raised after
+    its weights, optimizer state and counters were replaced."""
+    tag = ckpt / TAG
+    checksum = rewrite_json(tag / "rank-00001.json", lambda ix: ix["rng"]["python"][1].__setitem__(-1, 1000))
+    rewrite_json(tag / "meta.json", lambda m: m["ranks"].__setitem__(1, checksum))
+    messages = run_ranks(load_expecting, 2, str(ckpt), "gpt", "CheckpointCorruptError")
+    assert "rank-00001.json" in messages[1] and "rng" in messages[1]
+    assert "failed on rank 1" in messages[0] and "rank-00001.json" in messages[0]
+
+
+def load_with_own_dir(rank: int, world: int, dirs: list[str], tag) -> tuple[str, float]:
+    engine = trained_engine(steps=1)
+    before = snapshot(engine)
+    started = time.monotonic()
+    with pytest.raises(zcore.CheckpointError) as info:
+        engine.load_checkpoint(dirs[rank], tag=tag)
+    elapsed = time.monotonic() - started
+    assert_unchanged(before, snapshot(engine))
+    return str(info.value), elapsed
+
+
+@pytest.mark.parametrize("case", ["empty directory", "missing tag", "unreadable index"])
+def test_when_one_rank_cannot_load_every_rank_fails_at_once(ckpt: Path, tmp_path: Path, case: str) -> None:
+    """Rank 1 sees another directory (as a node whose mount is missing
+    would). Before, rank 0 waited in a collective for the process group's
+    10-minute timeout; the 60 s deadline fails the test instead."""
+    other = tmp_path / "other"
+    if case == "empty directory":
+        other.mkdir()
+        tag = None
+    else:
+        shutil.copytree(ckpt, other)
+        tag = TAG
+        if case == "missing tag":
+            shutil.rmtree(other / TAG)
+        else:
+            (other / TAG / "rank-00000.json").unlink()
+            (other / TAG / "rank-00000.json").mkdir()
+    messages = run_ranks(load_with_own_dir, 2, [str(ckpt), str(other)], tag, timeout=60)
+    reason = {"empty directory": "ranks found different checkpoints", "missing tag": "no complete checkpoint",
+              "unreadable index": "is a directory, not a regular file"}[case]
+    for message, elapsed in messages:
+        assert reason in message and elapsed < 30
+    if case != "empty directory":
+        assert "failed on rank 1" in messages[0][0]

@@ -44,8 +44,8 @@ def consolidate(
     if tag_dir is None:
         raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
     meta = read_meta(tag_dir)
-    infos = tensor_infos(meta["tensors"])
-    keys: dict[str, str] = meta["keys"]
+    infos = tensor_infos(meta.tensors)
+    keys: dict[str, str] = meta.keys
     specs = [
         TensorSpec(key, dtype if infos[name].dtype.is_floating_point else infos[name].dtype, infos[name].shape)
         for key, name in keys.items()

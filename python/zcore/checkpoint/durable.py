@@ -22,6 +22,7 @@ import xxhash
 
 from zcore.aio import AioEngine
 from zcore.checkpoint.direct_file import DirectAppender
+from zcore.checkpoint.files import JSON_BYTES, open_regular, read_small
 from zcore.errors import CheckpointCorruptError, DiskFullError, DiskIOError
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -58,7 +59,7 @@ class TempFile:
         self.path = Path(path)
         self.temp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self.fd = open_regular(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as exc:
             raise _io_error(exc, self.path, "creating") from None
         self._direct = DirectAppender(engine, self.temp) if engine is not None else None
@@ -136,22 +137,21 @@ def read_json(path: Path, expected: str | None = None) -> dict:
     """The content of a file written by ``write_json``, verified (and equal
     to ``expected`` when given: the checksum an index recorded)."""
     try:
-        raw = Path(path).read_bytes()
+        raw = read_small(Path(path), JSON_BYTES)
     except FileNotFoundError:
         raise CheckpointCorruptError(
             f"checkpoint file {path} is missing: the checkpoint is incomplete; load another tag",
             path=str(path),
         ) from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"cannot read checkpoint file {path}: {exc.strerror}", path=str(path)) from None
     try:
         wrapper = json.loads(raw)
         checksum, content = wrapper["xxh3_64"], wrapper["content"]
-    except (ValueError, KeyError, TypeError):
-        checksum, content = None, None
-    if (
-        content is None
-        or xxhash.xxh3_64_hexdigest(_canonical(content)) != checksum
-        or (expected is not None and checksum != expected)
-    ):
+        actual = xxhash.xxh3_64_hexdigest(_canonical(content))
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, not an object, nested too deep
+        checksum, content, actual = None, None, None
+    if content is None or actual != checksum or (expected is not None and checksum != expected):
         raise CheckpointCorruptError(
             f"checkpoint file {path} fails its checksum: it changed after it was written (disk "
             "error, partial copy or edit); restore it from a copy or load an earlier tag",

@@ -120,8 +120,6 @@ def describe(tensors: dict[str, TensorInfo]) -> dict[str, dict]:
     }
 
 
-def tensor_infos(described: dict[str, dict]) -> dict[str, TensorInfo]:
-    return {
-        name: TensorInfo(tuple(v["shape"]), getattr(torch, v["dtype"]), v["role"])
-        for name, v in described.items()
-    }
+def tensor_infos(described: dict[str, Any]) -> dict[str, TensorInfo]:
+    """From validated records (zcore.checkpoint.schema.TensorRecord)."""
+    return {name: TensorInfo(tuple(v.shape), getattr(torch, v.dtype), v.role) for name, v in described.items()}

@@ -2,14 +2,16 @@
 offload setting into this engine.
 
 Two phases, so that a failed load changes nothing: every rank first reads
-and verifies all it needs into fresh tensors (its ranges of every tensor,
-optimizer states, RNG, scalars); then the ranks agree that all succeeded,
-and only then is the state replaced.
+and verifies all it needs into fresh tensors and typed records (its ranges of
+every tensor, optimizer states, RNG, scalars, counters: zcore.checkpoint.schema),
+each checked against the object it will go into; then the ranks agree that
+all succeeded, and only then is the state replaced, by steps that cannot fail.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -18,25 +20,29 @@ import torch
 
 from zcore import comm
 from zcore.aio import AioEngine
-from zcore.checkpoint import directory, durable, training_state
+from zcore.checkpoint import directory, durable, partials, schema, training_state
+from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos
 from zcore.checkpoint.saved_ranges import SavedRanges
-from zcore.errors import CheckpointError, CheckpointMismatchError
+from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
 from zcore.param_fetcher import ParamFetcher
 
 log = logging.getLogger("zcore")
 
 
-def read_meta(tag_dir: Path) -> dict:
-    meta = durable.read_json(tag_dir / directory.META)
-    if meta.get("format") != directory.FORMAT:
-        raise CheckpointError(f"{tag_dir} is not a zcore checkpoint (format {meta.get('format')!r})")
-    if meta.get("version", 0) > directory.VERSION:
+def read_meta(tag_dir: Path) -> schema.Meta:
+    path = tag_dir / directory.META
+    content = durable.read_json(path)
+    if not isinstance(content, dict) or content.get("format") != directory.FORMAT:
+        found = content.get("format") if isinstance(content, dict) else content
+        raise CheckpointError(f"{tag_dir} is not a zcore checkpoint ({path} says format {shown(found)})", path=str(path))
+    version = content.get("version")
+    if type(version) is int and version > directory.VERSION:
         raise CheckpointError(
-            f"checkpoint {tag_dir} has format version {meta['version']}, written by a newer zcore; this "
+            f"checkpoint {tag_dir} has format version {version}, written by a newer zcore; this "
             f"zcore reads versions up to {directory.VERSION}: upgrade zcore to load it"
         )
-    return meta
+    return schema.validated(schema.Meta, content, path)
 
 
 def resolve(load_dir: str | Path, tag: Optional[str]) -> Optional[Path]:
@@ -46,8 +52,8 @@ def resolve(load_dir: str | Path, tag: Optional[str]) -> Optional[Path]:
         tag = directory.read_latest(root)
         if tag is None:
             return None
-    tag_dir = root / directory.check_name(tag, "tag")
-    if not (tag_dir / directory.META).is_file():
+    tag_dir = root / directory.check_tag(tag)
+    if not os.path.lexists(tag_dir / directory.META):  # anything there is read (and refused) as meta.json
         raise CheckpointError(
             f"no complete checkpoint {tag_dir} (no {directory.META}); tags in {root}: "
             f"{directory.tags_in(root) or 'none'}"
@@ -55,19 +61,35 @@ def resolve(load_dir: str | Path, tag: Optional[str]) -> Optional[Path]:
     return tag_dir
 
 
-def read_indexes(tag_dir: Path, meta: dict) -> list[dict]:
-    return [
-        durable.read_json(tag_dir / directory.rank_index(rank), expected)
-        for rank, expected in enumerate(meta["ranks"])
-    ]
+def read_indexes(tag_dir: Path, meta: schema.Meta) -> list[schema.RankIndex]:
+    indexes = []
+    for rank, expected in enumerate(meta.ranks):
+        path = tag_dir / directory.rank_index(rank)
+        index = schema.validated(schema.RankIndex, durable.read_json(path, expected), path)
+        schema.check_index(index, rank, meta, path)
+        indexes.append(index)
+    return indexes
 
 
 @dataclass
 class _Staged:
+    """Everything a load changes, read and checked: committing it cannot fail."""
+
+    meta: schema.Meta
+    layout: EngineLayout
     slots: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     states: Optional[dict[torch.nn.Parameter, dict]] = None  # None: keep the optimizer's
-    rng: Optional[tuple[dict, dict[str, torch.Tensor]]] = None
+    scheduler: Optional[dict] = None  # None: keep the scheduler's
+    counters: Optional[schema.Counters] = None  # None: keep the engine's
+    rng: Optional[dict[str, Any]] = None
     client_state: Any = None
+
+
+@dataclass(frozen=True)
+class _Options:
+    optimizer: bool  # optimizer states, hyper-parameters, loss scaler
+    scheduler: bool
+    training: bool  # counters and RNG (all but load_module_only)
 
 
 def load_checkpoint(
@@ -79,58 +101,126 @@ def load_checkpoint(
     load_module_only: bool = False,
 ) -> tuple[Optional[Path], Any]:
     """Returns (the tag directory loaded, the client_state saved with it), or
-    (None, None) when ``tag`` is None and ``load_dir`` holds no ``latest``."""
-    tag_dir = resolve(load_dir, tag)
+    (None, None) when ``tag`` is None and ``load_dir`` holds no ``latest``.
+
+    Every rank prepares (finds the tag, reads and checks everything), then
+    the ranks agree, even when a rank's preparation failed: a failure on one
+    rank fails the load on every rank, naming it, before any state changes
+    and before any rank can wait in another collective."""
+    options = _Options(
+        optimizer=load_optimizer_states and not load_module_only,
+        scheduler=load_lr_scheduler_states and not load_module_only,
+        training=not load_module_only,
+    )
+    tag_dir, staged, failure = None, None, None
+    try:
+        tag_dir = resolve(load_dir, tag)
+        if tag_dir is not None:
+            staged = _stage(engine, tag_dir, options)
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+        failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
+            f"loading checkpoint from {load_dir} failed: {type(exc).__name__}: {str(exc)[:500]}"
+        )
+    comm.raise_if_any_failed(failure, f"loading checkpoint from {load_dir}", CheckpointError)
+    resolved = comm.all_gather_strings(None if tag_dir is None else str(tag_dir))
+    if len(set(resolved)) > 1:
+        raise CheckpointError(
+            f"the ranks found different checkpoints in {load_dir}: {resolved}; every rank must see "
+            "the same directory (a shared filesystem) and it must not change during the load"
+        )
+    if engine.context.rank == 0:
+        partials.remove_abandoned(Path(load_dir))
     if tag_dir is None:
         log.warning("zcore: no 'latest' file in %s: nothing loaded", load_dir)
         return None, None
-    layout = engine_layout(engine)
-    staged, meta, failure = None, None, None
-    try:
-        meta = read_meta(tag_dir)
-        with_optimizer = load_optimizer_states and not load_module_only
-        staged = _stage(engine, layout, tag_dir, meta, with_optimizer)
-    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = exc
-    comm.raise_if_any_failed(failure, f"loading checkpoint {tag_dir}", CheckpointError)
-    _commit(engine, layout, meta, staged, load_module_only, load_lr_scheduler_states)
-    log.info("zcore: loaded checkpoint %s (saved at world size %d)", tag_dir, meta["world_size"])
+    _commit(engine, staged)
+    log.info("zcore: loaded checkpoint %s (saved at world size %d)", tag_dir, staged.meta.world_size)
     return tag_dir, staged.client_state
 
 
-def _stage(engine: Any, layout: EngineLayout, tag_dir: Path, meta: dict, with_optimizer: bool) -> _Staged:
+def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
+    layout = engine_layout(engine)
+    meta = read_meta(tag_dir)
+    meta_path = tag_dir / directory.META
     _check_model(layout, meta, tag_dir)
-    if with_optimizer:
+    if options.optimizer:
         _check_optimizer(engine, layout, meta, tag_dir)
     indexes = read_indexes(tag_dir, meta)
-    staged = _Staged()
+    staged = _Staged(meta, layout)
     rank = engine.context.rank
     with SavedRanges(tag_dir, indexes, AioEngine(tag_dir)) as saved:
+        infos = tensor_infos(meta.tensors)
         for slot in layout.slots:
-            staged.slots.append((slot, saved.read(slot.name, slot.start, slot.stop)))
-        if with_optimizer:
+            value = saved.read(slot.name, slot.start, slot.stop)
+            if value.dtype != infos[slot.name].dtype:
+                raise CheckpointCorruptError(
+                    f"checkpoint {tag_dir} stores {slot.name} as {value.dtype}, its {directory.META} says "
+                    f"{infos[slot.name].dtype}", path=str(tag_dir)
+                )
+            staged.slots.append((slot, value))
+        if options.optimizer:
             staged.states = {}
+            inner = engine.optimizer.inner
+            groups = {id(p): g for g in inner.param_groups for p in g["params"]}
             for slot in layout.slots_of(TRAINED):
                 keys = saved.state_keys(slot.name)
                 if not keys:
                     continue  # never stepped when saved
                 state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
-                scalars = next(ix["scalars"][slot.name] for ix in indexes if slot.name in ix["scalars"])
+                owner = next((ix for ix in indexes if slot.name in ix.scalars), None)
+                scalars = owner.scalars[slot.name] if owner is not None else {}
+                path = tag_dir / directory.rank_index(owner.rank if owner is not None else 0)
+                both = sorted(set(scalars) & set(state))
+                if both:
+                    raise schema.invalid(path, f"scalars.{slot.name}.{both[0]}", "is also a ranged state")
                 state.update(training_state.join_scalars(scalars))
+                try:
+                    training_state.check_piece_state(
+                        state, inner.state.get(slot.piece), meta.optimizer.kind, groups[id(slot.piece)], slot.data
+                    )
+                except ValueError as exc:
+                    raise schema.invalid(path, f"optimizer state of {slot.name}", str(exc)) from None
                 staged.states[slot.piece] = state
-        if rank < len(indexes):
-            rng = indexes[rank]["rng"]
-            tensors = {k: saved.read_whole(rank, "state", k) for k in ("rng::torch", "rng::cuda")
-                       if k in indexes[rank]["files"]["state"]["tensors"]}
-            staged.rng = (rng, tensors)
-        client_keys = [k for k in indexes[0]["files"]["state"]["tensors"] if k.startswith("client::")]
+        if options.training:
+            staged.counters = meta.counters
+            if rank < len(indexes):
+                tensors = {k: saved.read_whole(rank, "state", k) for k in ("rng::torch", "rng::cuda")
+                           if k in indexes[rank].files.state.tensors}
+                try:
+                    staged.rng = training_state.staged_rng(indexes[rank].rng, tensors, engine.context.device)
+                except ValueError as exc:
+                    raise schema.invalid(tag_dir / directory.rank_index(rank), "rng", str(exc)) from None
+        client_keys = [k for k in indexes[0].files.state.tensors if k.startswith("client::")]
         client_tensors = {k: saved.read_whole(0, "state", k) for k in client_keys}
-        staged.client_state = training_state.decode_client_state(meta["client_state"], client_tensors)
+    _check_state(engine, meta, meta_path, options, staged)
+    try:
+        staged.client_state = training_state.decode_client_state(meta.client_state, client_tensors)
+    except ValueError as exc:
+        raise schema.invalid(meta_path, "client_state", str(exc)) from None
     return staged
 
 
+def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, staged: _Staged) -> None:
+    """The parts of meta.json that are applied to live objects, checked
+    against those objects."""
+    if options.optimizer:
+        try:
+            training_state.check_hyperparameters(engine.optimizer.inner, meta.optimizer.hyperparameters)
+        except ValueError as exc:
+            raise schema.invalid(path, "optimizer.hyperparameters", str(exc)) from None
+    scheduler = engine.lr_scheduler
+    if options.scheduler and scheduler is not None and meta.lr_scheduler is not None:
+        if not hasattr(scheduler, "load_state_dict"):
+            raise schema.invalid(path, "lr_scheduler", f"this engine's {type(scheduler).__name__} cannot load a state")
+        try:
+            training_state.check_scheduler(scheduler, meta.lr_scheduler)
+        except ValueError as exc:
+            raise schema.invalid(path, "lr_scheduler", str(exc)) from None
+        staged.scheduler = meta.lr_scheduler
+
+
 def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
-    saved = tensor_infos(meta["tensors"])
+    saved = tensor_infos(meta.tensors)
     current = layout.tensors
     missing = [n for n in current if n not in saved]
     unexpected = [n for n in saved if n not in current]
@@ -144,22 +234,22 @@ def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
             if names:
                 parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} is of another model; tensors " + "; ".join(parts)
+            f"checkpoint {tag_dir} is of another model (as its {directory.META} describes it); tensors " + "; ".join(parts)
             + ". Load it into the model it was saved from (or pass load_module_only with a matching model)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )
 
 
 def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
-    saved = meta["optimizer"]
+    saved = meta.optimizer
     kind = training_state.optimizer_kind(engine.optimizer.inner)
-    if saved["kind"] != kind:
+    if saved.kind != kind:
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} holds {saved['kind']} optimizer states; this engine's optimizer is "
+            f"checkpoint {tag_dir} holds {saved.kind} optimizer states (its {directory.META} says); this engine's optimizer is "
             f"{kind}. Use the same optimizer, or load with load_optimizer_states=False"
         )
     ours = [set(g) for g in layout.groups]
-    theirs = [set(g) for g in saved["groups"]]
+    theirs = [set(g) for g in saved.groups]
     if ours != theirs:
         differences = []
         for i in range(max(len(ours), len(theirs))):
@@ -171,16 +261,16 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
                     f"only in the engine {sorted(mine - its)[:5]}"
                 )
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} has {len(theirs)} optimizer parameter groups, this engine "
+            f"checkpoint {tag_dir} has {len(theirs)} optimizer parameter groups (its {directory.META} says), this engine "
             f"{len(ours)}; they differ in {'; '.join(differences[:3])}. Build the optimizer with the "
             "same groups, or load with load_optimizer_states=False"
         )
 
 
-def _commit(
-    engine: Any, layout: EngineLayout, meta: dict, staged: _Staged, module_only: bool, scheduler_states: bool
-) -> None:
+def _commit(engine: Any, staged: _Staged) -> None:
+    """Replaces the engine's state with what was staged (and checked)."""
     optimizer = engine.optimizer
+    meta = staged.meta
     with torch.no_grad():
         for slot, value in staged.slots:
             slot.data.copy_(value)
@@ -193,7 +283,7 @@ def _commit(
         optimizer.publisher.publish()
     if staged.states is not None:
         inner = optimizer.inner
-        for slot in layout.slots_of(TRAINED):
+        for slot in staged.layout.slots_of(TRAINED):
             state = staged.states.get(slot.piece)
             if state is None:
                 inner.state.pop(slot.piece, None)
@@ -202,19 +292,17 @@ def _commit(
                 k: (v.to(slot.data.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                 for k, v in state.items()
             }
-        training_state.apply_hyperparameters(inner, meta["optimizer"]["hyperparameters"])
-        optimizer.precision.scaler.load_state_dict(meta["loss_scaler"])
-    if module_only:
-        return
-    if scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    for key, value in meta["counters"].items():
-        setattr(engine, key, value)
+        training_state.apply_hyperparameters(inner, meta.optimizer.hyperparameters)
+        optimizer.precision.scaler.load_state_dict(meta.loss_scaler.as_dict())
+    if staged.scheduler is not None:
+        engine.lr_scheduler.load_state_dict(staged.scheduler)
+    if staged.counters is not None:
+        engine.restore_counters(staged.counters)
     if staged.rng is not None:
-        training_state.set_rng_state(*staged.rng, engine.context.device)
-    if meta["world_size"] != engine.context.world_size and engine.context.rank == 0:
+        training_state.set_rng_state(staged.rng, engine.context.device)
+    if meta.world_size != engine.context.world_size and engine.context.rank == 0:
         log.info(
             "zcore: checkpoint saved at world size %d, loaded at %d: ranks below %d got their saved "
             "RNG states, the others keep theirs",
-            meta["world_size"], engine.context.world_size, meta["world_size"],
+            meta.world_size, engine.context.world_size, meta.world_size,
         )

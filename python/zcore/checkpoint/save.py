@@ -9,6 +9,8 @@ Order of a save, each step durable before the next:
    atomic step, then replaces ``latest``.
 A save killed anywhere before the rename leaves the previous checkpoints
 and ``latest`` as they were; a failure on any rank fails the save on all.
+Its staging directory is removed by a later save or load
+(zcore.checkpoint.partials says which ones and why).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch
 
 from zcore import comm
 from zcore.aio import AioEngine
-from zcore.checkpoint import directory, durable, training_state
+from zcore.checkpoint import directory, durable, partials, training_state
 from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
-from zcore.errors import CheckpointError
+from zcore.errors import CheckpointError, DiskIOError
 
 log = logging.getLogger("zcore")
 
@@ -36,7 +38,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
             f"accumulation window of {engine.gradient_accumulation_steps()}: the partial gradients "
             "would be lost; save right after the engine.step() that ends the window"
         )
-    tag = directory.check_name(tag if tag is not None else f"global_step{engine.global_steps}", "tag")
+    tag = directory.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     client = training_state.encode_client_state(client_state)
     root = Path(save_dir)
     rank = engine.context.rank
@@ -45,8 +47,10 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            durable.remove_tree(staging)  # left by a save that was killed
-            staging.mkdir()
+            directory.check_tag_free(root, tag)
+            partials.start(staging)
+        except (CheckpointError, DiskIOError) as exc:
+            failure = exc
         except OSError as exc:
             failure = CheckpointError(f"cannot create checkpoint directory {staging}: {exc.strerror}")
     comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError)

@@ -20,6 +20,7 @@ import torch
 
 from zcore.aio import AioEngine
 from zcore.checkpoint import directory
+from zcore.checkpoint.schema import RankIndex
 from zcore.checkpoint.tensor_file import FileRecord, TensorFileReader
 from zcore.errors import CheckpointCorruptError
 
@@ -33,19 +34,21 @@ class _Saved:
 
 
 class SavedRanges:
-    def __init__(self, tag_dir: Path, indexes: list[dict], engine: Optional[AioEngine] = None) -> None:
-        """``engine``: read with O_DIRECT through it."""
+    def __init__(self, tag_dir: Path, indexes: list[RankIndex], engine: Optional[AioEngine] = None) -> None:
+        """``indexes``: validated (zcore.checkpoint.load.read_indexes); ``engine``:
+        read with O_DIRECT through it."""
         self.tag_dir = tag_dir
         self._engine = engine
+        last = directory.rank_index(len(indexes) - 1)
+        self._indexes = directory.rank_index(0) + (f" to {last}" if len(indexes) > 1 else "")
         self._records: dict[tuple[int, str], FileRecord] = {}
         self._saved: dict[tuple[str, Optional[str]], list[_Saved]] = defaultdict(list)
         for rank, index in enumerate(indexes):
-            for kind, record in index["files"].items():
-                record = FileRecord.from_json(record)
-                directory.check_name(record.name, "a file name in the checkpoint index")
-                self._records[(rank, kind)] = record
-            for key, r in index["ranges"].items():
-                self._saved[(r["of"], r.get("state"))].append(_Saved(r["start"], r["stop"], (rank, r["file"]), key))
+            for kind in ("weights", "state"):
+                r = getattr(index.files, kind)
+                self._records[(rank, kind)] = FileRecord(r.name, r.bytes, r.header, dict(r.tensors))
+            for key, r in index.ranges.items():
+                self._saved[(r.of, r.state)].append(_Saved(r.start, r.stop, (rank, r.file), key))
         for ranges in self._saved.values():
             ranges.sort(key=lambda s: s.start)
         self._starts = {k: [s.start for s in v] for k, v in self._saved.items()}
@@ -76,14 +79,20 @@ class SavedRanges:
             if saved.start == position and saved.stop == hi:
                 reader.read(saved.key, out=target)
             else:
-                whole = reader.read(saved.key)
+                whole = reader.read(saved.key).view(-1)
+                if whole.numel() != saved.stop - saved.start:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self.tag_dir}: tensor {saved.key!r} of rank {saved.file[0]}'s {saved.file[1]} "
+                        f"file holds {whole.numel()} elements, its index says [{saved.start}, {saved.stop})",
+                        path=str(self.tag_dir),
+                    )
                 target.copy_(whole[position - saved.start : hi - saved.start])
             position = hi
         if position < stop or out is None:
             what = name if state is None else f"optimizer state {state!r} of {name}"
             raise CheckpointCorruptError(
-                f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: a rank's "
-                "files are missing from its index; the checkpoint is incomplete, load another tag",
+                f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: no rank index "
+                f"({self._indexes}) lists them; the checkpoint is incomplete, load another tag",
                 path=str(self.tag_dir),
             )
         return out

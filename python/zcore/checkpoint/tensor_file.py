@@ -29,6 +29,7 @@ import xxhash
 from zcore.aio import AioEngine
 from zcore.checkpoint import durable
 from zcore.checkpoint.direct_file import page_placed
+from zcore.checkpoint.files import open_regular
 from zcore.errors import CheckpointCorruptError
 
 _CODES = {
@@ -45,6 +46,7 @@ _CODES = {
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _ALIGN = 8  # header padding, as the safetensors library writes it
+_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses longer headers too
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -86,10 +88,6 @@ class FileRecord:
 
     def to_json(self) -> dict:
         return {"name": self.name, "bytes": self.nbytes, "header": self.header, "tensors": self.tensors}
-
-    @staticmethod
-    def from_json(value: dict) -> FileRecord:
-        return FileRecord(value["name"], value["bytes"], value["header"], dict(value["tensors"]))
 
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -183,6 +181,18 @@ class _Entry:
     nbytes: int
 
 
+def _entry(value: dict, data_start: int, size: int) -> _Entry:
+    """One header entry, checked to describe bytes inside the file."""
+    dtype = dtype_of(value["dtype"])
+    shape = tuple(value["shape"])
+    begin, end = value["data_offsets"]
+    if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
+        raise ValueError(f"shape {shape} and offsets {[begin, end]} must be non-negative integers")
+    if not begin <= end <= size - data_start or math.prod(shape) * dtype.itemsize != end - begin:
+        raise ValueError(f"offsets {[begin, end]} do not hold a {dtype} tensor of shape {list(shape)} in the file")
+    return _Entry(dtype, shape, data_start + begin, end - begin)
+
+
 class TensorFileReader:
     """Reads tensors of one file, each verified against ``record`` (when
     given: checkpoints always give it; a file from elsewhere may not)."""
@@ -194,7 +204,12 @@ class TensorFileReader:
         self.path = Path(path)
         self.record = record
         self._engine = engine
-        self._file = open(self.path, "rb", buffering=0)
+        try:
+            self._file = open(open_regular(self.path), "rb", buffering=0)
+        except FileNotFoundError:
+            raise self._corrupt("is missing") from None
+        except OSError as exc:
+            raise self._corrupt(f"cannot be opened ({exc.strerror})") from None
         try:
             self.entries = self._read_header()
         except BaseException:
@@ -209,8 +224,8 @@ class TensorFileReader:
         if len(head) != 8:
             raise self._corrupt("ends inside its header")
         (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise self._corrupt("declares a header longer than the file")
+        if length > min(size - 8, _MAX_HEADER):
+            raise self._corrupt(f"declares a header of {length} bytes, longer than the file or {_MAX_HEADER} bytes")
         raw = self._file.read(length)
         if self.record is not None and digest(memoryview(head + raw)) != self.record.header:
             raise self._corrupt("fails the checksum of its header")
@@ -218,12 +233,10 @@ class TensorFileReader:
             header = json.loads(raw)
             entries = {}
             for name, value in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = value["data_offsets"]
-                entries[name] = _Entry(dtype_of(value["dtype"]), tuple(value["shape"]), 8 + length + begin, end - begin)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise self._corrupt(f"has an unreadable header ({exc})") from None
+                if name != "__metadata__":
+                    entries[name] = _entry(value, 8 + length, size)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise self._corrupt(f"has an unreadable header ({str(exc)[:200]})") from None
         return entries
 
     def read(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -234,8 +247,10 @@ class TensorFileReader:
             raise self._corrupt(f"lacks tensor {name!r} that its index lists")
         if out is None:
             out = self.empty(name)
-        if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError(f"{self.path.name}: cannot read {name!r} ({entry.dtype}) into {out.dtype} {out.device}")
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"{self.path.name}: cannot read {name!r} into a non-contiguous or {out.device} tensor")
+        if out.dtype != entry.dtype:
+            raise self._corrupt(f"holds tensor {name!r} as {entry.dtype}, where the checkpoint expects {out.dtype}")
         view = bytes_of(out)
         if len(view) != entry.nbytes:
             raise self._corrupt(f"holds {entry.nbytes} bytes for tensor {name!r}, its index says {len(view)}")
