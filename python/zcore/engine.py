@@ -242,6 +242,7 @@ class Engine:
         self.global_samples = counters.global_samples
         self.micro_steps = counters.micro_steps
         self.skipped_steps = counters.skipped_steps
+        self.micro_step_phase = MicroStep.AWAITING_BACKWARD
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The whole model's state dict (fp32 master weights, frozen
