@@ -37,11 +37,11 @@ missing=()
 command -v c++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 if command -v dpkg >/dev/null; then
-  for pkg in ninja-build libaio-dev libgtest-dev libbenchmark-dev; do
+  for pkg in ninja-build libaio-dev libxxhash-dev libgtest-dev libbenchmark-dev; do
     installed "$pkg" || missing+=("$pkg")
   done
 else
-  echo "zcore setup: no dpkg (not Debian/Ubuntu): install libaio, GoogleTest, Google Benchmark and ninja yourself; the build names what it cannot find" >&2
+  echo "zcore setup: no dpkg (not Debian/Ubuntu): install libaio, xxHash, GoogleTest, Google Benchmark and ninja yourself; the build names what it cannot find" >&2
 fi
 # Debian's own Python ships venv (ensurepip) and its C headers as separate
 # packages; any other Python (pyenv, conda, python.org builds) brings both.

@@ -17,6 +17,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kShortRead: return "ShortRead";
     case StatusCode::kFileTooSmall: return "FileTooSmall";
     case StatusCode::kSwapFileLost: return "SwapFileLost";
+    case StatusCode::kSwapCorrupted: return "SwapCorrupted";
   }
   return "Unknown";
 }

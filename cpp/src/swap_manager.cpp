@@ -11,8 +11,22 @@
 
 #include "zcore/status.h"
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace zcore {
 namespace {
+
+std::uint64_t checksum(const void* data, std::int64_t bytes) {
+  return XXH3_64bits(data, static_cast<std::size_t>(bytes));
+}
+
+std::string hex(std::uint64_t v) {
+  static const char* digits = "0123456789abcdef";
+  std::string out(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) out[static_cast<std::size_t>(i)] = digits[v & 0xf];
+  return out;
+}
 
 std::int64_t round_up(std::int64_t v) { return (v + kIoAlignment - 1) / kIoAlignment * kIoAlignment; }
 
@@ -156,13 +170,15 @@ const SwapManager::Entry& SwapManager::find(SwapId id) const {
 }
 
 void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  check_usable();
   if (bytes <= 0 || data == nullptr) {
     throw Error(StatusCode::kInvalidArgument,
                 "swap_out needs a buffer and bytes > 0, got bytes=" + std::to_string(bytes),
                 {{"id", id}, {"bytes", bytes}});
   }
+  // Before the lock: the caller's buffer is stable from here until wait(id).
+  const std::uint64_t sum = checksum(data, bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
   const auto it = entries_.find(id);
   const bool existed = it != entries_.end();
   if (existed && it->second.state != SwapState::kOnDisk) {
@@ -190,7 +206,7 @@ void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
     throw;
   }
   if (outgrown != 0) extents_.free(outgrown);
-  entries_[id] = Entry{SwapState::kWriting, extent, bytes, io};
+  entries_[id] = Entry{SwapState::kWriting, extent, bytes, sum, io, nullptr};
 }
 
 BlockHandle SwapManager::allocate_extent(SwapId id, std::uint64_t bytes) {
@@ -232,6 +248,7 @@ void SwapManager::swap_in(SwapId id, void* data, std::int64_t bytes) {
   const auto offset = static_cast<std::int64_t>(extents_.offset(e.extent));
   check_file();
   e.io = engine_->submit({IoOp::kRead, data, bytes, path_, offset});
+  e.destination = data;
   e.state = SwapState::kReading;
 }
 
@@ -244,12 +261,16 @@ bool SwapManager::poll(SwapId id) {
 void SwapManager::wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock) {
   const Entry& before = find(id);
   if (before.state == SwapState::kOnDisk) return;
-  const IoHandle io = before.io;
-  const SwapState state = before.state;
+  // Copies: other calls may change the map and the extents while unlocked.
+  const Entry entry = before;
+  const auto offset = static_cast<std::int64_t>(extents_.offset(entry.extent));
+  const SwapState state = entry.state;
   std::unique_ptr<Error> error;
   lock.unlock();
   try {
-    engine_->wait(io);
+    engine_->wait(entry.io);
+    // The caller's buffer is not touched by any other call until this returns.
+    if (state == SwapState::kReading) verify(id, entry, offset);
   } catch (const Error& e) {
     error = std::make_unique<Error>(e);
   }
@@ -274,6 +295,19 @@ void SwapManager::wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock) {
   if (error) throw *error;
   (state == SwapState::kWriting ? bytes_out_ : bytes_in_) += static_cast<std::uint64_t>(e.bytes);
   if (lost_) throw *lost_;  // waited for (the caller may free its buffer), but the bytes are gone
+}
+
+void SwapManager::verify(SwapId id, const Entry& entry, std::int64_t offset) const {
+  const std::uint64_t found = checksum(entry.destination, entry.bytes);
+  if (found == entry.checksum) return;
+  throw Error(StatusCode::kSwapCorrupted,
+              "swap-in of id " + std::to_string(id) + " read " + std::to_string(entry.bytes) +
+                  " bytes at offset " + std::to_string(offset) + " of " + path_ +
+                  " that differ from the bytes swapped out (xxh3 " + hex(found) + ", expected " +
+                  hex(entry.checksum) +
+                  "): the swap file was written by something else, or the disk returned other "
+                  "bytes. The tensor's contents are lost; keep swap directories private to one job",
+              {{"id", id}, {"path", path_}, {"offset", offset}, {"bytes", entry.bytes}});
 }
 
 void SwapManager::wait(SwapId id) {

@@ -89,6 +89,12 @@ class SwapFileLostError(DiskIOError):
     ``path`` names the file; ``inode`` and ``found_inode`` (0: missing) say what changed."""
 
 
+class SwapCorruptedError(DiskIOError):
+    """Bytes swapped in differ from those swapped out (their XXH3 checksum):
+    the swap file was written by something else, or the disk returned other
+    bytes. ``id``, ``path``, ``offset`` and ``bytes`` name what was read."""
+
+
 class ConfigError(ZcoreError, ValueError):
     """A config key that is unknown, unsupported, mistyped or inconsistent."""
 
@@ -122,6 +128,7 @@ _BY_STATUS: dict[str, type[ZcoreError]] = {
     "ShortRead": ShortReadError,
     "FileTooSmall": FileTooSmallError,
     "SwapFileLost": SwapFileLostError,
+    "SwapCorrupted": SwapCorruptedError,
 }
 
 

@@ -25,7 +25,9 @@ each I/O and after it: if it was deleted (a tmp cleaner) or replaced,
 :class:`zcore.SwapFileLostError` says so, instead of a swap-in returning
 zeros or another file's bytes. What was swapped out is then gone: every later
 call but ``close()`` raises the same error, and ``close()`` leaves a file
-that is not the manager's own in place.
+that is not the manager's own in place. Bytes changed in place (another
+writer, a disk returning other data) fail the swap-in's ``wait`` with
+:class:`zcore.SwapCorruptedError`: each swap-out records an XXH3 checksum.
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ class SwapManager:
 
     def state(self, key: int) -> _C.SwapState:
         return self._native.state(key)
+
+    def extent(self, key: int) -> _C.SwapExtent:
+        """Where the bytes of ``key`` lie in the swap file (offset, bytes)."""
+        return self._native.extent(key)
 
     def swap_out(self, key: int, tensor: torch.Tensor) -> None:
         """Starts writing ``tensor`` to the swap space of ``key``.

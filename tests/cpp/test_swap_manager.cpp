@@ -1,6 +1,7 @@
 // The swap manager: round trips through the swap file, its extent allocation
 // (placement, reuse of freed extents, coalescing, a full swap space), the
 // per-id state machine and the directory checks made before training.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -234,6 +235,38 @@ TEST_P(SwapFileLostTest, FileDeletedWhileASwapInIsPendingFailsItsWait) {
   // The open descriptor may still finish the read; either way wait() reports the loss.
   EXPECT_EQ(code_of([&] { swap.wait(1); }), StatusCode::kSwapFileLost);
   EXPECT_EQ(code_of([&] { swap.contains(1); }), StatusCode::kSwapFileLost);
+}
+
+// Bytes changed in place (same file, same inode): another writer, a bug that
+// overlapped extents, a disk returning other data. The checksum catches it;
+// the id stays on disk and a new swap-out of it round-trips again.
+TEST_P(SwapFileLostTest, BytesChangedInPlaceAreCorruptedNamingTheExtent) {
+  auto owner = holding_one_id(1 << 20, 100000);
+  SwapManager& swap = *owner;
+  const zcore::SwapExtent where = swap.extent(1);
+  {
+    const int fd = ::open(swap.path().c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    const unsigned char flipped = static_cast<unsigned char>(data_[77777] ^ 0x10);
+    ASSERT_EQ(::pwrite(fd, &flipped, 1, static_cast<off_t>(where.offset + 77777)), 1);
+    ::fsync(fd);
+    ::close(fd);
+  }
+  std::vector<unsigned char> back(100000);
+  swap.swap_in(1, back.data(), 100000);
+  const zcore::Error e = error_of([&] { swap.wait(1); });
+  EXPECT_EQ(e.code(), StatusCode::kSwapCorrupted);
+  const std::string message = e.what();
+  EXPECT_NE(message.find("id 1 "), std::string::npos) << message;
+  EXPECT_NE(message.find("offset " + std::to_string(where.offset)), std::string::npos) << message;
+  EXPECT_NE(message.find(swap.path()), std::string::npos) << message;
+  EXPECT_EQ(swap.state(1), SwapState::kOnDisk);
+
+  swap.swap_out(1, data_.data(), 100000);
+  swap.wait(1);
+  swap.swap_in(1, back.data(), 100000);
+  swap.wait(1);
+  EXPECT_EQ(back, data_);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, SwapFileLostTest,

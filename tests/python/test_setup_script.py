@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARIES = ["ninja-build", "libaio-dev", "libgtest-dev", "libbenchmark-dev"]
+LIBRARIES = ["ninja-build", "libaio-dev", "libxxhash-dev", "libgtest-dev", "libbenchmark-dev"]
 REAL_TOOLS = ["bash", "env", "basename", "dirname", "grep", "sed", "sort", "head", "tail", "rm", "mkdir", "cp"]
 
 RECORD = 'printf "%s" "$(basename "$0")" >>"$SANDBOX/calls"; printf " %q" "$@" >>"$SANDBOX/calls"; echo >>"$SANDBOX/calls"'
@@ -172,7 +172,7 @@ def test_root_without_sudo_installs_the_missing_packages(machine):
     run = machine.run()
     assert run.returncode == 0, run.stderr
     assert [call[0] for call in run.of("apt-get")] == ["update", "install"]
-    assert installs(run) == ["libaio-dev", "libgtest-dev", "libbenchmark-dev"]
+    assert installs(run) == ["libaio-dev", "libxxhash-dev", "libgtest-dev", "libbenchmark-dev"]
     assert run.apt_env[-1] == "apt-get install DEBIAN_FRONTEND=noninteractive uid=0"
     assert all(line.endswith("uid=0") for line in run.apt_env)
     assert run.of("sudo") == []
@@ -205,7 +205,7 @@ def test_nothing_missing_installs_nothing(machine, uid):
 def test_without_root_or_sudo_names_the_packages_and_the_command(machine):
     machine.env["FAKE_UID"] = "1000"
     machine.lacks("sudo")
-    machine.has_installed("ninja-build", "libgtest-dev")
+    machine.has_installed("ninja-build", "libxxhash-dev", "libgtest-dev")
     run = machine.run()
     assert run.returncode != 0
     assert "apt-get install -y libaio-dev libbenchmark-dev" in run.stderr
@@ -234,7 +234,9 @@ def test_a_failing_install_stops_before_the_build(machine):
 
 
 def test_a_removed_package_with_its_configuration_left_is_missing(machine):
-    machine.has_installed("ninja-build", "libgtest-dev", "libbenchmark-dev", "libaio-dev deinstall ok config-files")
+    machine.has_installed(
+        "ninja-build", "libxxhash-dev", "libgtest-dev", "libbenchmark-dev", "libaio-dev deinstall ok config-files"
+    )
     run = machine.run()
     assert run.returncode == 0, run.stderr
     assert installs(run) == ["libaio-dev"]

@@ -184,3 +184,27 @@ def test_a_replaced_swap_file_is_lost_and_kept(tmp_path: Path, backend: str) -> 
     assert lost.value.found_inode == os.stat(swap.path).st_ino != lost.value.inode
     swap.close()
     assert os.path.getsize(swap.path) == size  # someone else's file: left alone
+
+
+@pytest.mark.parametrize("backend", ["auto", "threadpool"])
+def test_bytes_changed_in_place_are_corrupted_not_returned(tmp_path: Path, backend: str) -> None:
+    """Same file, same inode, one byte changed under the manager: the swap-in
+    is refused by its checksum instead of handing back the wrong value."""
+    swap = zcore.SwapManager(tmp_path, 1 << 20, rank=0, backend=backend)
+    original = torch.arange(4096, dtype=torch.float32)
+    swap.swap_out(1, original)
+    swap.wait(1)
+    offset = swap.extent(1).offset
+    with open(swap.path, "r+b") as f:
+        f.seek(offset + 4 * 1234)
+        f.write(b"\x01")
+    swap.swap_in(1)
+    with pytest.raises(zcore.SwapCorruptedError, match="differ from the bytes swapped out") as bad:
+        swap.wait(1)
+    assert (bad.value.id, bad.value.path, bad.value.offset) == (1, swap.path, offset)
+    swap.swap_out(1, original)
+    swap.wait(1)
+    back = swap.swap_in(1)
+    swap.wait(1)
+    assert torch.equal(back, original)
+    swap.close()

@@ -30,6 +30,7 @@ enum class StatusCode {
   kShortRead,        // a file ended before the bytes a read asked for (truncated under it)
   kFileTooSmall,     // a read asks for bytes past the end of the file
   kSwapFileLost,     // a swap file was deleted or replaced: the bytes swapped out are gone
+  kSwapCorrupted,    // bytes swapped in differ from those swapped out (checksum mismatch)
 };
 
 const char* status_code_name(StatusCode code);
