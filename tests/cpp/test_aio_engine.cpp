@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "expect_error.h"
+#include "scratch_dir.h"
 #include "zcore/aio_engine.h"
 #include "zcore/status.h"
 
@@ -35,19 +36,9 @@ using zcore::StatusCode;
 
 namespace {
 
-// A scratch directory in the build tree (a real disk, where O_DIRECT works;
-// /tmp may be tmpfs or ramfs on other machines).
-class TempDir {
+class TempDir : public zcore::testing_support::ScratchDir {
  public:
-  TempDir() : path_(fs::current_path() / ("aio-test-" + std::to_string(::getpid()))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string dir() const { return path_.string(); }
-
- private:
-  fs::path path_;
+  TempDir() : ScratchDir("aio-test") {}
 };
 
 std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {

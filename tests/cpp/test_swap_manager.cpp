@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "expect_error.h"
+#include "scratch_dir.h"
 #include "zcore/status.h"
 #include "zcore/swap_manager.h"
 
@@ -33,10 +34,7 @@ namespace {
 
 class SwapTest : public ::testing::Test {
  protected:
-  SwapTest() : dir_(fs::current_path() / ("swap-test-" + std::to_string(::getpid()))) {
-    fs::create_directories(dir_);
-  }
-  ~SwapTest() override { fs::remove_all(dir_); }
+  SwapTest() : scratch_("swap-test"), dir_(scratch_.path()) {}
 
   SwapConfig config(std::int64_t capacity) const {
     SwapConfig c;
@@ -55,6 +53,7 @@ class SwapTest : public ::testing::Test {
     return v;
   }
 
+  zcore::testing_support::ScratchDir scratch_;
   fs::path dir_;
 };
 
