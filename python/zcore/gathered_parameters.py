@@ -11,7 +11,7 @@ already: the block then does nothing.
 although another module owns it, so the param's group is gathered whenever
 ``module`` runs. Call it before or after zcore.initialize. A parameter that
 a module returns to its caller needs no call: zcore declares it (note
-"external parameters" in zcore.param_fetcher).
+"external parameters" in zcore.external_params).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ closes calls whose gradients never all came).
 
 The forward post-hook also hands the tensors of the module's output to the
 fetcher, which takes over a parameter returned to the calling module (note
-"external parameters" in zcore.param_fetcher).
+"external parameters" in zcore.external_params).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from typing import Any, Callable
 import torch
 
 from zcore.grad_reduction import GradientReducer
-from zcore.param_fetcher import ModuleCall, ParamFetcher
+from zcore.module_calls import ModuleCall
+from zcore.param_fetcher import ParamFetcher
 from zcore.partition import Unit
 
 

@@ -1,0 +1,177 @@
+"""ZeRO-3: executes the native coordinator's plans on the groups' buffers.
+
+The coordinator (zcore._C.ParamCoordinator, protocol in
+cpp/include/zcore/coordinator.h) answers each use site's entry and exit
+with a plan; ``PlanExecutor`` does what it says: one asynchronous
+all-gather of a group's shard into a buffer per GATHER, parameters pointed
+at views of the buffer at WAIT, pointed away and the buffer returned at
+RELEASE. An action it does not know is an error, never a guess.
+
+The coordinator applies each action's transition when it issues the plan,
+so while a plan runs its states are already those after the plan. What has
+really happened so far (an all-gather issued and not yet waited for) is
+Python's to know: each group's ``_GroupSlot`` holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from zcore import _C, comm
+from zcore.errors import InvalidStateError
+from zcore.gather_buffers import GatherBuffers
+from zcore.recording_checks import RankAgreement, signature
+from zcore.sharded_group import ShardedGroup
+from zcore.use_sites import UseSites
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """An all-gather into a group's buffer, issued and not yet waited for."""
+
+    work: Optional[Any]  # torch's Work; None once waited (compaction) or at world size 1
+
+
+@dataclass
+class _GroupSlot:
+    """What Python holds for one group between the coordinator's actions."""
+
+    group: ShardedGroup
+    gather: Optional[_InFlight] = None
+
+
+class PlanExecutor:
+    def __init__(
+        self,
+        coordinator: _C.ParamCoordinator,
+        groups: list[ShardedGroup],
+        buffers: GatherBuffers,
+        sites: UseSites,
+        world_size: int,
+        check_every_module: bool,
+    ) -> None:
+        """``check_every_module``: ranks agree on every use, not only on the
+        uses no trace foresaw (config stage3_rank_agreement_check)."""
+        self.coordinator = coordinator
+        self.buffers = buffers
+        self.world_size = world_size
+        self._slots = [_GroupSlot(g) for g in groups]
+        self._sites = sites
+        self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
+        self._check_every_module = check_every_module
+        self._entering: list[int] = []  # groups of the site being entered
+        self._actions: dict[Any, Callable[[int], None]] = {
+            _C.Action.GATHER: self._start_gather,
+            _C.Action.WAIT: self._finish_gather,
+            _C.Action.RELEASE: self._release,
+        }
+
+    def enter(self, site: int) -> None:
+        """Before a use: its groups gathered (and the prefetch started)."""
+        if self._agreement is not None and (self._check_every_module or self.coordinator.unforeseen(site)):
+            # Before any gather: ranks that disagree here would hang in it.
+            groups = self.coordinator.module_groups(site)
+            self._agreement.check(signature(groups), lambda: f"{self._sites.name(site)} (groups {list(groups)})")
+        self._entering = self.coordinator.module_groups(site)
+        try:
+            self.execute(self.coordinator.before_module(site))
+        finally:
+            self._entering = []
+
+    def leave(self, site: int) -> None:
+        self.execute(self.coordinator.after_module(site))
+
+    def agree(self, what: int, describe: Callable[[], str]) -> None:
+        """Every rank has reached ``what`` (a signature), when ranks are checked here."""
+        if self._agreement is not None and (self._check_every_module or self.coordinator.recording):
+            self._agreement.check(what, describe)
+
+    def execute(self, plan: list) -> None:
+        for action, group in plan:
+            run = self._actions.get(action)
+            if run is None:
+                raise InvalidStateError(
+                    f"the coordinator planned {action!r} for group {group}, an action this package "
+                    "does not know: zcore._C and the Python package come from different builds; "
+                    "reinstall zcore",
+                    group=group,
+                )
+            run(group)
+
+    def gathered(self, group: int) -> bool:
+        """Whether ``group``'s buffer holds its full parameters now."""
+        return self.buffers.holds(group) and self._slots[group].gather is None
+
+    def refresh(self, groups: list[ShardedGroup]) -> None:
+        """The persistent groups among ``groups`` that are gathered take
+        their shards' new values in place."""
+        stale = [g for g in groups if self.buffers.persistent[g.index] and self.buffers.holds(g.index)]
+        if not stale:
+            return
+        if self.world_size == 1:
+            for g in stale:
+                self.buffers.current(g.index).copy_(g.local_shard)
+            return
+        # Frozen and trained groups may differ in dtype: one all-gather per dtype.
+        for dtype in dict.fromkeys(g.dtype for g in stale):
+            self._all_gather_into_place([g for g in stale if g.dtype == dtype])
+
+    def _all_gather_into_place(self, stale: list[ShardedGroup]) -> None:
+        send = torch.cat([g.local_shard for g in stale])
+        recv = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
+        comm.all_gather_into(recv, send)
+        recv = recv.view(self.world_size, -1)
+        start = 0
+        for g in stale:
+            full = self.buffers.current(g.index).view(self.world_size, g.shard_numel)
+            full.copy_(recv[:, start : start + g.shard_numel])
+            start += g.shard_numel
+
+    def _start_gather(self, group: int) -> None:
+        compacts = self.buffers.would_compact(group)
+        allow = compacts and self._compaction_is_safe()
+        if allow:
+            # Compaction moves blocks: no all-gather may still be writing.
+            for slot in self._slots:
+                if slot.gather is not None and slot.gather.work is not None:
+                    slot.gather.work.wait()
+                    slot.gather = _InFlight(None)
+        buf, moved = self.buffers.take(group, allow_compaction=allow)
+        if moved:
+            for other in self.buffers.in_arena():
+                if other != group and self._slots[other].gather is None:
+                    self._slots[other].group.point_params_at(self.buffers.current(other))
+        slot = self._slots[group]
+        if self.world_size == 1:
+            buf.copy_(slot.group.local_shard)
+            slot.gather = _InFlight(None)
+        else:
+            slot.gather = _InFlight(comm.all_gather_into(buf, slot.group.local_shard, async_op=True))
+
+    def _compaction_is_safe(self) -> bool:
+        """A running module may hold views of its groups' buffers in local
+        variables (``w = self.weight.t()`` before calling a child), which a
+        compaction would leave pointing at moved bytes: compact only when no
+        arena group is in use but by the module being entered (which has not
+        run yet)."""
+        c = self.coordinator
+        return all(
+            c.state(g) != _C.GroupState.IN_USE or (g in self._entering and c.use_count(g) == 1)
+            for g in self.buffers.in_arena()
+        )
+
+    def _finish_gather(self, group: int) -> None:
+        slot = self._slots[group]
+        if slot.gather is None:
+            raise InvalidStateError(f"the coordinator planned a wait for group {group}, which is not being gathered")
+        if slot.gather.work is not None:
+            slot.gather.work.wait()
+        slot.gather = None
+        slot.group.point_params_at(self.buffers.current(group))
+
+    def _release(self, group: int) -> None:
+        self._slots[group].group.release_params()
+        self.buffers.give_back(group)
