@@ -175,8 +175,6 @@ void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
                 "swap_out needs a buffer and bytes > 0, got bytes=" + std::to_string(bytes),
                 {{"id", id}, {"bytes", bytes}});
   }
-  // Before the lock: the caller's buffer is stable from here until wait(id).
-  const std::uint64_t sum = checksum(data, bytes);
   std::lock_guard<std::mutex> lock(mutex_);
   check_usable();
   const auto it = entries_.find(id);
@@ -206,7 +204,9 @@ void SwapManager::swap_out(SwapId id, const void* data, std::int64_t bytes) {
     throw;
   }
   if (outgrown != 0) extents_.free(outgrown);
-  entries_[id] = Entry{SwapState::kWriting, extent, bytes, sum, io, nullptr};
+  // After the submit, so the pass over the bytes overlaps their write (the
+  // caller's buffer is stable until wait(id); the disk only reads it).
+  entries_[id] = Entry{SwapState::kWriting, extent, bytes, checksum(data, bytes), io, nullptr};
 }
 
 BlockHandle SwapManager::allocate_extent(SwapId id, std::uint64_t bytes) {
