@@ -12,19 +12,23 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from zcore.config_keys import UNSUPPORTED_KEYS, split_unsupported
+from zcore.config_keys import UNSUPPORTED_KEYS, show_value, split_unsupported
 from zcore.errors import ConfigError
 
 Auto = Literal["auto"]
@@ -42,42 +46,41 @@ class _Section(BaseModel):
         extra="forbid", populate_by_name=True, frozen=True, strict=True, allow_inf_nan=False
     )
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _integral_floats(cls, raw: Any) -> Any:
+    def _json_number(cls, v: Any, info: ValidationInfo) -> Any:
+        # Every JSON number or boolean passes here, per key, so errors name the
+        # key. Strict mode alone is not enough: a bool is an int to Python
+        # (and 0 == False matches Literal[False]), and a float key turns 2**70
+        # into 1.2e21 before any bound on ints could see it.
+        if not isinstance(v, (bool, int, float)):
+            return v
+        kinds = _plain_types(cls.model_fields[info.field_name].annotation)
+        if not kinds & {bool, int, float, str}:
+            return v  # a section: pydantic's message says a JSON object is expected
+        if isinstance(v, bool):
+            if bool not in kinds:
+                raise ValueError("a boolean is not allowed here")
+            return v
+        if bool in kinds and not kinds & {int, float}:
+            raise ValueError("a number is not a boolean here; use true or false")
         # DeepSpeed configs write sizes as 5e8, which JSON reads as a float:
         # an exact integer is the same value; 2.5 or Infinity stays an error.
-        if not isinstance(raw, dict):
-            return raw
-        fields = cls.model_fields
-        for key, v in raw.items():
-            # A bool is an int to Python, so strict mode still lets it match Literal[0, 1, ...].
-            if isinstance(v, bool) and key in fields and bool not in _plain_types(fields[key].annotation):
-                raise ValueError(f"{key!r} must not be a boolean, got {v}")
-        return {
-            key: int(v)
-            if isinstance(v, float) and v.is_integer() and key in fields and _takes_int(fields[key].annotation)
-            else v
-            for key, v in raw.items()
-        }
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _bounded(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_CONFIG_INT:
-            raise ValueError(f"must be at most 2**62 in magnitude, got {v}")
+        if isinstance(v, float) and v.is_integer() and int in kinds and float not in kinds:
+            v = int(v)
+        if isinstance(v, int):
+            if abs(v) > MAX_CONFIG_INT:
+                raise ValueError("must be at most 2**62 in magnitude")
+            if float in kinds and int not in kinds and float(v) != v:
+                raise ValueError("an integer this large has no exact float value")
         return v
-
-
-def _takes_int(annotation: Any) -> bool:
-    """Whether a field annotated so takes an int and no float (Optional and unions seen through)."""
-    kinds = _plain_types(annotation)
-    return int in kinds and float not in kinds
 
 
 def _plain_types(annotation: Any) -> set[Any]:
     if isinstance(annotation, type):
         return {annotation}
+    if get_origin(annotation) is Literal:
+        return {type(value) for value in get_args(annotation)}
     return {t for arg in get_args(annotation) for t in _plain_types(arg)}
 
 
@@ -116,7 +119,7 @@ class OptimizerConfig(_Section):
         canonical = {"adam": "Adam", "adamw": "AdamW"}.get(v.lower())
         if canonical is None:
             raise ValueError(
-                f"optimizer type {v!r} is not supported; use 'Adam' or 'AdamW', or pass a torch "
+                f"optimizer type {show_value(v)} is not supported; use 'Adam' or 'AdamW', or pass a torch "
                 "optimizer (or a callable building one) to zcore.initialize(optimizer=...)"
             )
         return canonical
@@ -164,9 +167,25 @@ class WarmupCosineLRScheduler(_Section):
     params: WarmupCosineLRParams
 
 
+def _scheduler_type(raw: Any) -> Optional[str]:
+    tag = raw.get("type") if isinstance(raw, dict) else getattr(raw, "type", None)
+    return tag if isinstance(tag, str) else None
+
+
+# A callable discriminator with its own message: pydantic's default message
+# embeds repr() of the type's value, which fails (as an unraisable warning)
+# for a value nested past the recursion limit and echoes a long string whole.
 SchedulerConfig = Annotated[
-    Union[WarmupLRScheduler, WarmupDecayLRScheduler, WarmupCosineLRScheduler],
-    Field(discriminator="type"),
+    Union[
+        Annotated[WarmupLRScheduler, Tag("WarmupLR")],
+        Annotated[WarmupDecayLRScheduler, Tag("WarmupDecayLR")],
+        Annotated[WarmupCosineLRScheduler, Tag("WarmupCosineLR")],
+    ],
+    Discriminator(
+        _scheduler_type,
+        custom_error_type="scheduler_type",
+        custom_error_message="expected a section whose type is 'WarmupLR', 'WarmupDecayLR' or 'WarmupCosineLR'",
+    ),
 ]
 
 
@@ -303,14 +322,21 @@ def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
     if config is None:
         raise ConfigError("zcore.initialize needs a config (a dict or a path to a JSON file)")
     if isinstance(config, (str, Path)):
-        raw = _read_config_file(Path(config))
-    elif isinstance(config, dict):
-        raw = config
-    else:
-        raise ConfigError(
-            f"config must be a dict, a path to a JSON file or a zcore Config, got "
-            f"{type(config).__name__}"
-        )
+        path = Path(config)
+        raw = _read_config_file(path)
+        try:
+            return _validate(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
+    if isinstance(config, dict):
+        return _validate(config)
+    raise ConfigError(
+        f"config must be a dict, a path to a JSON file or a zcore Config, got "
+        f"{type(config).__name__}"
+    )
+
+
+def _validate(raw: dict) -> Config:
     raw, unsupported = split_unsupported(raw)
     if unsupported:
         raise ConfigError("\n".join(unsupported))
@@ -332,6 +358,8 @@ def _read_config_file(path: Path) -> dict:
         raise ConfigError(f"config file {name} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {name}: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL byte, or a character the filesystem encoding lacks
+        raise ConfigError(f"config file {name} is not a usable path: {exc}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ConfigError(f"config file {name} is not a regular file; give the path of a JSON file")
@@ -343,16 +371,43 @@ def _read_config_file(path: Path) -> dict:
     if len(data) > _MAX_CONFIG_FILE:
         raise ConfigError(f"config file {name} is larger than {_MAX_CONFIG_FILE} bytes; is it a config?")
     try:
-        raw = json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {name} is not UTF-8 text (byte {exc.start}); save it as UTF-8 JSON") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {name} is not valid JSON: {exc}") from None
+    # Every way json.loads can fail becomes one error naming the file: a
+    # JSONDecodeError, a repeated key, a ValueError (an integer past Python's
+    # int_max_str_digits), a RecursionError (values nested past the stack).
+    try:
+        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except _DuplicateKeyError as exc:
+        raise ConfigError(f"config file {name} {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {name} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:
+        reason = exc if isinstance(exc, json.JSONDecodeError) else "a number with too many digits"
+        raise ConfigError(f"config file {name} is not valid JSON: {reason}") from None
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config file {name} holds a JSON {type(raw).__name__}; a zcore (DeepSpeed) config is a JSON object"
         )
     return raw
+
+
+class _DuplicateKeyError(ValueError):
+    """A key repeated in one JSON object of a config file."""
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    # json keeps the last of repeated keys, which silently ignores a setting;
+    # DeepSpeed's loader refuses them too (dict_raise_error_on_duplicate_keys).
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        repeated = [k for k, n in Counter(k for k, _ in pairs).items() if n > 1]
+        raise _DuplicateKeyError(
+            f"repeats the key(s) {show_value(repeated)} in one JSON object (keys there: "
+            f"{show_value(list(obj))}); JSON would keep only the last value: keep one"
+        )
+    return obj
 
 
 def _describe(exc: ValidationError) -> str:
@@ -365,7 +420,7 @@ def _describe(exc: ValidationError) -> str:
             text = f"unknown key {key!r}; allowed here: {allowed}"
         else:
             key = ".".join(_walk(err["loc"])[0])
-            text = f"{key or 'config'}: {err['msg']} (got {err.get('input')!r})"
+            text = f"{key or 'config'}: {err['msg']} (got {show_value(err.get('input'))})"
         problems.setdefault(key, []).append(text)
     # A value that fails every branch of a union (an int or "auto", say)
     # gives one error per branch: show them as one line.

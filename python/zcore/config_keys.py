@@ -7,6 +7,7 @@ key is refused otherwise. ``_ANY`` marks keys refused whatever their value.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 _ANY = object()
@@ -66,7 +67,9 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
 def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
     """The config without unsupported keys at their defaults, and one message
     per unsupported key set to anything else."""
-    cleaned = _copy_dicts(raw)
+    # The keys above sit at most one section deep, so two levels are copied;
+    # a recursive copy overflowed the stack on a deeply nested value.
+    cleaned = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     problems = []
     for dotted, (default, reason) in UNSUPPORTED_KEYS.items():
         *parents, leaf = dotted.split(".")
@@ -76,13 +79,37 @@ def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
         if not isinstance(section, dict) or leaf not in section:
             continue
         value = section.pop(leaf)
-        if default is _ANY or value != default:
+        if default is _ANY or not _is_default(value, default):
             problems.append(
-                f"config key {dotted!r} = {value!r} is a DeepSpeed key zcore does not support: "
-                f"{reason}. Remove it from the config."
+                f"config key {dotted!r} = {show_value(value)} is a DeepSpeed key zcore does not "
+                f"support: {reason}. Remove it from the config."
             )
     return cleaned, problems
 
 
-def _copy_dicts(d: dict) -> dict:
-    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
+def _is_default(value: Any, default: Any) -> bool:
+    # Python has 1 == True and 0.0 == False: a number is not a boolean's
+    # default, nor a boolean a number's.
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return type(value) in (int, float) and value == default
+
+
+class _Bounded(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 80, 80
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past 4300 digits raises ValueError (int_max_str_digits).
+        if x.bit_length() > 256:
+            return f"<a {x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+
+def show_value(value: Any) -> str:
+    """A config value as an error message echoes it: a bounded repr, since a
+    value may be nested past the recursion limit, megabytes long, or an
+    integer too long for repr()."""
+    return _Bounded().repr(value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -19,7 +20,7 @@ import torch
 from zcore import comm, gathered_parameters, hooks
 from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
-from zcore.errors import ConfigError, InvalidStateError
+from zcore.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
 from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
@@ -67,6 +68,7 @@ def initialize(
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
     """
+    _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init)
     _refuse_wrapped(model)
     cfg = load_config(config)
     context = comm.init_distributed()
@@ -136,6 +138,40 @@ def initialize(
     _WRAPPED.add(model)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
+
+
+def _check_arguments(
+    model: Any, optimizer: Any, model_parameters: Any, collate_fn: Any, meta_init: Any
+) -> None:
+    """Refuses an argument of the wrong kind by name before anything is set
+    up; otherwise it fails later, deep inside, as an AttributeError or a
+    TypeError that names neither the argument nor what it should be."""
+    iterable = isinstance(model_parameters, Iterable) and not isinstance(
+        model_parameters, (str, bytes, Mapping)
+    )
+    checks = (
+        ("model", model, isinstance(model, torch.nn.Module), "a torch.nn.Module"),
+        (
+            "optimizer",
+            optimizer,
+            optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer),
+            "None, a torch.optim.Optimizer or a callable building one from parameter groups",
+        ),
+        (
+            "model_parameters",
+            model_parameters,
+            model_parameters is None or iterable,
+            "None or an iterable of parameters or of parameter-group dicts",
+        ),
+        ("collate_fn", collate_fn, collate_fn is None or callable(collate_fn), "None or a callable"),
+        ("meta_init", meta_init, meta_init is None or isinstance(meta_init, MetaInit), "None or a zcore.MetaInit"),
+    )
+    for name, value, ok, expected in checks:
+        if not ok:
+            raise InvalidArgumentError(
+                f"zcore.initialize({name}=...) must be {expected}, got {type(value).__name__}",
+                argument=name,
+            )
 
 
 def _refuse_wrapped(model: torch.nn.Module) -> None:

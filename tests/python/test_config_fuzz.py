@@ -1,0 +1,596 @@
+"""The config as untrusted input, fuzzed with hypothesis: any JSON value as
+the whole config or at any key of a full DeepSpeed config, arbitrary bytes as
+the config file, arbitrary text as its path, and wrong arguments to
+zcore.initialize. Each either loads or raises zcore's error naming the key,
+file or argument; nothing else escapes.
+
+What is accepted, and as what, is stated here on its own (SCHEMA, with the
+coercions listed above it), not read from zcore, so a value the config takes
+silently in another form fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+import zcore
+from zcore.config import load_config
+
+# Deterministic (CI runs the same examples every time) and short.
+FUZZ = settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+LIMIT = 2**62  # the largest magnitude any integer key takes
+
+# A valid config that sets every key zcore implements, and the DeepSpeed keys
+# zcore accepts only at DeepSpeed's default.
+BASE = {
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {
+        "type": "AdamW",
+        "params": {
+            "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
+            "adam_w_mode": True, "torch_adam": False, "amsgrad": False,
+        },
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 100,
+            "warmup_type": "linear", "last_batch_iteration": -1, "total_num_steps": 1000,
+        },
+    },
+    "bf16": {"enabled": False},
+    "fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+        "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1,
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 5e8,
+        "allgather_bucket_size": 500000000,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_param_persistence_threshold": 100000,
+        "stage3_rank_agreement_check": "recording",
+        "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+        "allgather_partitions": True, "round_robin_gradients": False,
+        "load_from_fp32_weights": True, "elastic_checkpoint": False, "cpu_offload": False,
+    },
+    "communication_data_type": "fp32",
+    "steps_per_print": 100,
+    "zero_allow_untested_optimizer": False,
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "wall_clock_breakdown": False, "dump_state": False, "memory_breakdown": False,
+}
+
+
+# What each key takes. A kind maps a JSON value to the value the parsed
+# config must hold, or REFUSED. The only coercions allowed (documented):
+#   1. an integral float (5e8) for an integer key: the int;
+#   2. an int for a float key: the float of the same value (exactly);
+#   3. betas: a JSON list of two numbers, a tuple of floats;
+#   4. optimizer.type: "adam"/"adamw" in any case, the canonical name;
+#   5. zero_optimization.offload_optimizer: null, no offload (all defaults);
+#   6. a DeepSpeed key at DeepSpeed's default: accepted and dropped (GONE).
+# "auto" is accepted as itself where the key allows it.
+REFUSED = object()
+GONE = object()
+Kind = Callable[[Any], Any]
+
+
+def integer(lo: int = -LIMIT, hi: int = LIMIT) -> Kind:
+    def kind(v: Any) -> Any:
+        if type(v) is float and v.is_integer():
+            v = int(v)  # coercion 1
+        return v if type(v) is int and lo <= v <= hi and abs(v) <= LIMIT else REFUSED
+    return kind
+
+
+def real(lo: float = -math.inf, strict: bool = False) -> Kind:
+    def kind(v: Any) -> Any:
+        if type(v) is int and abs(v) <= LIMIT and float(v) == v:
+            v = float(v)  # coercion 2
+        if type(v) is not float or not math.isfinite(v):
+            return REFUSED
+        return v if (v > lo if strict else v >= lo) else REFUSED
+    return kind
+
+
+def boolean(v: Any) -> Any:
+    return v if type(v) is bool else REFUSED
+
+
+def one_of(*allowed: Any) -> Kind:
+    # Exact type: 1 is not True, 3.0 is not "3".
+    return lambda v: v if any(type(v) is type(a) and v == a for a in allowed) else REFUSED
+
+
+def either(*kinds: Kind) -> Kind:
+    def kind(v: Any) -> Any:
+        return next((e for e in (k(v) for k in kinds) if e is not REFUSED), REFUSED)
+    return kind
+
+
+def null(v: Any) -> Any:
+    return None if v is None else REFUSED
+
+
+def betas(v: Any) -> Any:
+    if type(v) is not list or len(v) != 2:
+        return REFUSED
+    parts = [real()(b) for b in v]
+    ok = all(p is not REFUSED and 0.0 <= p < 1.0 for p in parts)
+    return tuple(parts) if ok else REFUSED  # coercion 3
+
+
+def optimizer_type(v: Any) -> Any:
+    canonical = {"adam": "Adam", "adamw": "AdamW"}
+    return canonical.get(v.lower(), REFUSED) if type(v) is str else REFUSED  # coercion 4
+
+
+def deepspeed_default(default: Any) -> Kind:
+    return lambda v: GONE if type(v) is type(default) and v == default else REFUSED  # coercion 6
+
+
+class Section:
+    def __init__(self, keys: dict[str, Kind], required: tuple[str, ...] = (), null: str = "refused"):
+        self.keys, self.required, self.null = keys, required, null
+
+    def __call__(self, v: Any) -> Any:
+        if v is None and self.null != "refused":
+            return None if self.null == "none" else {}  # coercion 5: {} is all defaults
+        if type(v) is not dict or any(k not in v for k in self.required):
+            return REFUSED
+        expected = {k: self.keys[k](x) if k in self.keys else REFUSED for k, x in v.items()}
+        return REFUSED if REFUSED in expected.values() else expected
+
+
+class Scheduler:
+    """The scheduler's type picks its params' keys."""
+
+    warmup = {
+        "warmup_min_lr": real(), "warmup_max_lr": either(real(), null), "warmup_num_steps": integer(1),
+        "warmup_type": one_of("log", "linear"), "last_batch_iteration": integer(),
+    }
+    cosine = {
+        "total_num_steps": integer(1), "warmup_min_ratio": real(), "warmup_num_steps": integer(1),
+        "cos_min_ratio": real(), "warmup_type": one_of("log", "linear"), "last_batch_iteration": integer(),
+    }
+    params = {
+        "WarmupLR": (Section(warmup), False),
+        "WarmupDecayLR": (Section({**warmup, "total_num_steps": integer(1)}, ("total_num_steps",)), True),
+        "WarmupCosineLR": (Section(cosine, ("total_num_steps",)), True),
+    }
+
+    def __call__(self, v: Any) -> Any:
+        if v is None:
+            return None
+        if type(v) is not dict or type(v.get("type")) is not str or v["type"] not in self.params:
+            return REFUSED
+        section, params_required = self.params[v["type"]]
+        keys = {"type": one_of(v["type"]), "params": section}
+        return Section(keys, ("type", "params") if params_required else ("type",))(v)
+
+
+int_auto_or_null = either(integer(), one_of("auto"), null)
+SCHEMA = Section({
+    "train_batch_size": int_auto_or_null,
+    "train_micro_batch_size_per_gpu": int_auto_or_null,
+    "gradient_accumulation_steps": int_auto_or_null,
+    "gradient_clipping": real(0.0),
+    "optimizer": Section({
+        "type": optimizer_type,
+        "params": Section({
+            "lr": real(0.0, strict=True), "betas": betas, "eps": real(0.0, strict=True),
+            "weight_decay": real(0.0), "adam_w_mode": boolean, "torch_adam": boolean,
+            "amsgrad": one_of(False),
+        }),
+    }, required=("type",), null="none"),
+    "scheduler": Scheduler(),
+    "bf16": Section({"enabled": boolean}),
+    "fp16": Section({
+        "enabled": boolean, "loss_scale": real(0.0), "initial_scale_power": integer(0, 64),
+        "loss_scale_window": integer(1), "hysteresis": integer(1), "consecutive_hysteresis": boolean,
+        "min_loss_scale": real(0.0, strict=True),
+    }),
+    "zero_optimization": Section({
+        "stage": integer(0, 3),
+        "reduce_bucket_size": integer(1),
+        "allgather_bucket_size": integer(1),
+        "offload_optimizer": Section({"device": one_of("none", "cpu"), "pin_memory": boolean}, null="defaults"),
+        "stage3_prefetch_bucket_size": integer(0),
+        "stage3_max_live_parameters": integer(0),
+        "stage3_max_reuse_distance": integer(0),
+        "stage3_param_persistence_threshold": integer(0),
+        "stage3_rank_agreement_check": one_of("recording", "every_module"),
+        **{k: deepspeed_default(True) for k in (
+            "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+            "load_from_fp32_weights")},
+        **{k: deepspeed_default(False) for k in ("round_robin_gradients", "elastic_checkpoint", "cpu_offload")},
+    }),
+    "communication_data_type": either(one_of("fp32", "fp16", "bf16"), null),
+    "steps_per_print": integer(1),
+    "zero_allow_untested_optimizer": boolean,
+    **{k: deepspeed_default(False) for k in (
+        "prescale_gradients", "sparse_gradients", "wall_clock_breakdown", "dump_state", "memory_breakdown")},
+    "gradient_predivide_factor": either(deepspeed_default(1.0), deepspeed_default(1)),
+})
+
+
+def expected_config(raw: Any) -> Any:
+    """What load_config must return for `raw` (as nested expected values), or REFUSED."""
+    expected = SCHEMA(raw)
+    if expected is REFUSED:
+        return REFUSED
+    enabled = [isinstance(expected.get(s), dict) and expected[s].get("enabled") is True for s in ("bf16", "fp16")]
+    return REFUSED if all(enabled) else expected  # at most one of bf16 and fp16
+
+
+def assert_holds(expected: Any, parsed: Any, where: str = "config") -> None:
+    """The parsed config holds exactly the expected values, of the same types,
+    and sets nothing that was not given."""
+    if isinstance(expected, dict):
+        given_keys = {k for k, e in expected.items() if e is not GONE}
+        assert parsed.model_fields_set == given_keys, where
+        for key in given_keys:
+            assert_holds(expected[key], getattr(parsed, key), f"{where}.{key}")
+    else:
+        assert type(parsed) is type(expected) and parsed == expected, (where, expected, parsed)
+        if isinstance(expected, tuple):
+            assert all(type(p) is type(e) for p, e in zip(parsed, expected)), where
+
+
+# JSON values, with the edges that break parsers and validators. Values
+# whose repr() fails (huge ints, deep nesting) are built, not listed, so that
+# hypothesis can describe its strategies.
+HUGE = st.builds(pow, st.just(10), st.just(5000))  # past int_max_str_digits
+INTS = st.integers() | HUGE | st.sampled_from([0, 1, -1, 2**53 + 1, LIMIT, LIMIT + 1, -LIMIT - 1, 2**63, 2**64, 10**30])
+FLOATS = st.floats() | st.sampled_from([5e8, 1e300, 3.0, 0.5, -0.0, 2.0**70, float("nan"), float("inf")])
+TEXT = st.text(max_size=12) | st.sampled_from(
+    ["auto", "AUTO", "Adam", "adamw", "ADAMW", "cpu", "none", "nvme", "log", "linear", "fp16",
+     "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "recording", "every_module", "true", "1", "5e8",
+     "", "\ud800", "\x00", "é" * 3]
+) | st.just(20_000).map("x".__mul__)
+SCALARS = st.none() | st.booleans() | INTS | FLOATS | TEXT
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+class DeepList(list):
+    """A list nested past the interpreter's recursion limit, with a repr
+    that hypothesis can report."""
+
+    def __repr__(self) -> str:
+        return "[[[...100000 deep...]]]"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+
+class DeepDict(dict):
+    def __repr__(self) -> str:
+        return '{"a": {"a": ...100000 deep...}}'
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+
+def nested_lists(depth: int) -> DeepList:
+    value: Any = 0
+    for _ in range(depth - 1):
+        value = [value]
+    return DeepList([value])
+
+
+def nested_dicts(depth: int) -> DeepDict:
+    value: Any = 0
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return DeepDict(a=value)
+
+
+# Nesting past the interpreter's recursion limit, for anything that walks a
+# value (built once: load_config must not change what it is given).
+_DEEP = {"lists": nested_lists(100_000), "dicts": nested_dicts(100_000)}
+DEEP = st.sampled_from(sorted(_DEEP)).map(_DEEP.__getitem__)
+# Values near what the keys take, so that many substitutions are accepted
+# and their parsed form is checked.
+PLAUSIBLE = st.one_of(
+    st.integers(-3, 70),
+    st.integers(-3, 70).map(float),
+    st.floats(0, 1),
+    st.lists(st.floats(0, 1) | st.integers(0, 1), min_size=2, max_size=2),
+    st.sampled_from(["auto", "adam", "AdamW", "ADAM", "cpu", "none", "log", "linear", "bf16", "every_module"]),
+    st.sampled_from([None, True, False, {}, {"enabled": True}, {"device": "cpu"}, {"type": "Adam"}]),
+)
+VALUES = JSON | DEEP | PLAUSIBLE
+
+
+def key_paths(config: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in config.items():
+        paths.append(prefix + key)
+        if isinstance(value, dict):
+            paths += key_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def value_at(config: dict, path: str) -> Any:
+    for key in path.split("."):
+        config = config[key]
+    return config
+
+
+PATHS = key_paths(BASE)
+LEAVES = [p for p in PATHS if not isinstance(value_at(BASE, p), dict)]
+
+
+def with_value(path: str, value: Any) -> dict:
+    config = json.loads(json.dumps(BASE))
+    *sections, key = path.split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    node[key] = value
+    return config
+
+
+def parsed_at(cfg: Any, path: str) -> Any:
+    for key in path.split("."):
+        cfg = getattr(cfg, key)
+    return cfg
+
+
+def refusal(config: Any) -> str:
+    """load_config's message; fails the test on any other exception."""
+    with pytest.raises(zcore.ConfigError) as info:
+        load_config(config)
+    return str(info.value)
+
+
+def problem_lines(message: str) -> list[str]:
+    lines = message.splitlines()
+    return lines[1:] if lines[0].startswith("invalid zcore config") else lines
+
+
+def names(line: str, path: str) -> bool:
+    # A scheduler type that does not match the params is reported at the
+    # scheduler (the type decides which params are valid).
+    key = "scheduler" if path == "scheduler.type" else path
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", line) is not None
+
+
+def test_the_base_config_loads_as_stated():
+    assert_holds(expected_config(BASE), load_config(BASE))
+
+
+@FUZZ
+@given(raw=VALUES)
+def test_any_json_value_as_the_whole_config_loads_as_stated_or_is_refused(raw):
+    expected = expected_config(raw)
+    if expected is REFUSED:
+        named = len(raw) if isinstance(raw, str) else 0  # a string is a path, named in full
+        assert len(refusal(raw)) < 4000 + named, "the message echoes the value unbounded"
+        return
+    cfg = load_config(raw)
+    assert_holds(expected, cfg)
+    try:
+        train, micro, gas = cfg.batch_sizes(world_size=2)
+        assert train == micro * gas * 2 and min(train, micro, gas) > 0
+    except zcore.ConfigError:
+        pass
+
+
+def near(v: Any) -> st.SearchStrategy:
+    """Variations of a valid value: other types and spellings of it."""
+    if type(v) in (int, float):
+        return st.sampled_from([v, int(v), float(v), 2 * v, -v, 0, 0.0, v + 0.5, True, str(v)])
+    if type(v) is str:
+        return st.sampled_from([v, v.lower(), v.upper(), v + " ", 1])
+    if type(v) is bool:
+        return st.sampled_from([v, not v, int(v), float(v), str(v).lower()])
+    return st.sampled_from([v, {}, [], None])
+
+
+@st.composite
+def substitutions(draw: st.DrawFn) -> tuple[str, Any]:
+    path = draw(st.sampled_from(PATHS))
+    return path, draw(near(value_at(BASE, path)) if draw(st.booleans()) else VALUES)
+
+
+@settings(FUZZ, max_examples=600)
+@given(substitution=substitutions())
+def test_any_value_at_any_key_loads_as_stated_or_is_refused_naming_the_key(substitution):
+    path, value = substitution
+    config = with_value(path, value)
+    expected = expected_config(config)
+    event("refused" if expected is REFUSED else "accepted")  # --hypothesis-show-statistics
+    if expected is REFUSED:
+        message = refusal(config)
+        assert all(names(line, path) for line in problem_lines(message)), message
+        assert len(message) < 4000, "the message echoes the value unbounded"
+        return
+    cfg = load_config(config)
+    expected_here = value_at(expected, path)
+    if expected_here is not GONE:
+        assert_holds(expected_here, parsed_at(cfg, path), path)
+
+
+NUMERIC = [p for p in LEAVES if type(value_at(BASE, p)) in (int, float)]
+BOOLEAN = [p for p in LEAVES if type(value_at(BASE, p)) is bool]
+
+
+# Every key, each with its own examples (hypothesis tries 0, 1 and True first).
+PER_KEY = settings(FUZZ, max_examples=25)
+
+
+@pytest.mark.parametrize("path", NUMERIC)
+@PER_KEY
+@given(value=st.booleans() | TEXT.filter(lambda s: s != "auto"))
+def test_booleans_and_strings_are_never_numbers(path, value):
+    assert names(refusal(with_value(path, value)), path)
+
+
+@pytest.mark.parametrize("path", BOOLEAN)
+@PER_KEY
+@given(value=INTS | FLOATS)
+def test_numbers_are_never_booleans(path, value):
+    assert names(refusal(with_value(path, value)), path)
+
+
+@pytest.mark.parametrize("path", LEAVES)
+@PER_KEY
+@given(value=st.integers(min_value=LIMIT + 1) | st.integers(max_value=-LIMIT - 1) | HUGE)
+def test_integers_past_2_to_the_62_are_never_accepted(path, value):
+    if path == "optimizer.params.betas":
+        value = [0.5, value]
+    config = with_value(path, value)
+    message = refusal(config)
+    assert all(names(line, path) for line in problem_lines(message)), message
+
+
+FLOAT_KEYS = [
+    "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "fp16.loss_scale", "fp16.min_loss_scale",
+]
+
+
+@pytest.mark.parametrize("path", FLOAT_KEYS)
+@settings(FUZZ, max_examples=10)
+@given(value=st.integers(2**52, LIMIT // 2 - 1).map(lambda n: 2 * n + 1))  # odd past 2**53: no float
+def test_an_integer_that_a_float_key_would_round_is_refused(path, value):
+    assert names(refusal(with_value(path, value)), path)
+
+
+# Files.
+@st.composite
+def mutated_base(draw: st.DrawFn) -> bytes:
+    """The base config's text with a few bytes replaced: mostly near-valid."""
+    text = json.dumps(BASE).encode()
+    at = draw(st.integers(0, len(text)))
+    cut = draw(st.integers(0, 4))
+    return text[:at] + draw(st.binary(max_size=4)) + text[at + cut:]
+
+
+def json_text(value: Any) -> bytes:
+    try:
+        return json.dumps(value).encode()
+    except ValueError:  # 10**5000: json.dumps refuses ints past int_max_str_digits
+        return b"9" * 5000
+
+
+# Files that break readers, by name (their reprs are too long to report).
+NASTY_FILES = {
+    "deep array": b"[" * 100_000,
+    "deep object": b'{"a":' * 100_000,
+    "deep closed array": b"[" * 100_000 + b"]" * 100_000,
+    "duplicate key": b'{"train_batch_size": 8, "train_batch_size": 16}',
+    "duplicate nested key": b'{"zero_optimization": {"stage": 2, "stage": 3}, "train_batch_size": 8}',
+    "5000-digit integer": b'{"train_batch_size": ' + b"9" * 5000 + b"}",
+    "float overflow": b'{"train_batch_size": 1e400}',
+    "NaN": b'{"train_batch_size": 8, "gradient_clipping": NaN}',
+    "long string": b'{"train_batch_size": 8, "x": "' + b"y" * 500_000 + b'"}',
+    "past 1 MiB": b'{"train_batch_size": 8, "x": "' + b"y" * (1 << 20) + b'"}',
+    "UTF-8 BOM": b"\xef\xbb\xbf" + json.dumps(BASE).encode(),
+    "UTF-16": json.dumps(BASE).encode("utf-16"),
+    "encoded surrogate": b'{"train_batch_size": 8, "x": "\xed\xa0\x80"}',  # not UTF-8
+    "empty": b"",
+    "NULs": b"\x00" * 64,
+}
+
+
+def no_duplicates(pairs: list) -> dict:
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+def expected_from_file(data: bytes) -> Any:
+    """A config file is at most 1 MiB of UTF-8 (no BOM) holding one JSON
+    object without repeated keys; then it loads as that object would."""
+    if len(data) > 1 << 20:
+        return REFUSED
+    try:
+        raw = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (ValueError, RecursionError):
+        return REFUSED
+    return expected_config(raw) if isinstance(raw, dict) else REFUSED
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("config-fuzz")
+
+
+def check_config_file(content: bytes, path: Path) -> None:
+    path.write_bytes(content)
+    expected = expected_from_file(content)
+    if expected is REFUSED:
+        assert str(path) in refusal(path)
+    else:
+        assert_holds(expected, load_config(path))
+
+
+@FUZZ
+@given(content=st.binary(max_size=64) | JSON.map(json_text) | mutated_base())
+def test_any_bytes_as_the_config_file_load_or_are_refused_naming_the_file(content, files):
+    check_config_file(content, files / "ds_config.json")
+
+
+@pytest.mark.parametrize("name", sorted(NASTY_FILES))
+def test_files_that_break_json_readers_are_refused_naming_the_file(name, files):
+    check_config_file(NASTY_FILES[name], files / "ds_config.json")
+
+
+@FUZZ
+@given(name=st.text(max_size=20) | st.sampled_from(["\x00", "a\x00b", "\ud800", "x" * 5000, "", ".", "..", "/"]))
+def test_any_text_as_the_config_path_is_refused_naming_it(name, files):
+    path = str(files / "missing") + "/" + name
+    assert repr(str(Path(path)))[1:-1] in refusal(path)
+
+
+# zcore.initialize's own arguments.
+@FUZZ
+@given(argument=st.sampled_from(["model", "optimizer", "model_parameters", "collate_fn", "meta_init"]), value=JSON)
+def test_initialize_refuses_an_argument_of_the_wrong_kind_naming_it(argument, value):
+    # JSON values are never callable, a module or a MetaInit; a list is an
+    # iterable of parameters as far as the argument's kind goes.
+    assume(value is not None or argument == "model")
+    assume(not (argument == "model_parameters" and isinstance(value, list)))
+    arguments = {"model": torch.nn.Linear(2, 2), "config": BASE, argument: value}
+    with pytest.raises(zcore.InvalidArgumentError, match=rf"zcore\.initialize\({argument}=") as info:
+        zcore.initialize(**arguments)
+    assert info.value.argument == argument
+
+
+@FUZZ
+@given(path=st.sampled_from(PATHS), value=VALUES)
+def test_initialize_reports_a_bad_config_as_load_config_does(path, value):
+    config = with_value(path, value)
+    assume(expected_config(config) is REFUSED)
+    with pytest.raises(zcore.ConfigError) as info:
+        zcore.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert str(info.value) == refusal(config)
