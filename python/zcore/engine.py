@@ -22,7 +22,8 @@ from zcore.config import Config
 from zcore.errors import InvalidStateError
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
-from zcore.sharded_optimizer import ShardedOptimizer
+from zcore.policies import Policies
+from zcore.sharded_optimizer import Publisher, ShardedOptimizer
 
 log = logging.getLogger("zcore")
 
@@ -44,12 +45,19 @@ class ParamResidency(Protocol):
     def stored_tensors(self) -> list[torch.Tensor]:
         """What holds parameters between uses (for the memory report)."""
 
+    def reload(self) -> None:
+        """After a checkpoint load replaced the shards: parameters take them."""
+
 
 class ResidentParams:
-    """Stages 0-2: every rank holds whole parameters; nothing to do."""
+    """Stages 0-2: every rank holds whole parameters; nothing to do between uses."""
 
-    def __init__(self, units: list[FlatUnit]) -> None:
+    def __init__(self, units: list[FlatUnit], publisher: Publisher) -> None:
         self.units = units
+        self._publisher = publisher
+
+    def reload(self) -> None:
+        self._publisher.publish()
 
     def stored_tensors(self) -> list[torch.Tensor]:
         return [u.flat for u in self.units]
@@ -88,12 +96,14 @@ class Engine:
         optimizer: ShardedOptimizer,
         lr_scheduler: Any,
         config: Config,
+        policies: Policies,
         context: DistributedContext,
         batch: BatchSizes,
         residency: ParamResidency,
         hook_handles: list,
     ) -> None:
         self.module = module
+        self.policies = policies
         self.residency = residency
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -195,7 +205,7 @@ class Engine:
 
     @property
     def zero_stage(self) -> int:
-        return self.config.zero_optimization.stage
+        return self.policies.stage.stage
 
     def train_batch_size(self) -> int:
         return self.batch.train_batch_size

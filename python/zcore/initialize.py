@@ -26,6 +26,7 @@ from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
+from zcore.policies import StagePolicy, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.optim import CPUAdam
@@ -74,16 +75,16 @@ def initialize(
     context = comm.init_distributed()
     batch = BatchSizes(*cfg.batch_sizes(context.world_size))
     precision = precision_from_config(cfg)
+    policies = policies_from_config(cfg, context)
 
-    stage3 = cfg.zero_optimization.stage == 3
     on_meta = is_meta(model)
-    if on_meta and not stage3:
+    if on_meta and not policies.stage.shards_parameters:
         raise ConfigError(
             f"the model is on the meta device, which only ZeRO stage 3 can materialise (shard by "
             f"shard); set zero_optimization.stage to 3 (it is {cfg.zero_optimization.stage}) or "
             "build the model on a real device"
         )
-    if stage3:
+    if policies.stage.shards_parameters:
         groups = collect_param_groups(model, optimizer, model_parameters)
         sharded_groups, hooked = _shard(model, context, (meta_init or MetaInit()) if on_meta else None)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
@@ -91,19 +92,17 @@ def initialize(
     else:
         _place_and_synchronise(model, context)
         groups = collect_param_groups(model, optimizer, model_parameters)
-        units = layouts = _pack(groups, cfg, context)
-    offload = cfg.zero_optimization.offload_optimizer
-    # torch can pin host memory only where CUDA is available.
-    pin = offload.device == "cpu" and offload.pin_memory and context.device.type == "cuda"
-    master = MasterShards(units, _master_device(cfg, context), pin_memory=pin)
+        units = layouts = _pack(groups, cfg, policies.stage, context.device)
+    offload = policies.offload
+    master = MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
     _cast_model(model, layouts, precision)
 
-    inner = build_optimizer(optimizer, cfg, groups, master.piece_of())
-    reducer = _reducer(cfg, units, context, precision)
+    inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
+    reducer = _reducer(policies.stage, units, precision)
     handles = hooks.register_gradient_hooks(units, reducer)
     residency: ParamResidency
     publisher: Publisher
-    if stage3:
+    if policies.stage.shards_parameters:
         zero = cfg.zero_optimization
         fetcher = ParamFetcher(
             model, sharded_groups, hooked, coordinator_config(zero), context.world_size,
@@ -118,9 +117,8 @@ def initialize(
                 gathered_parameters.add_external(fetcher, module, param)
         residency = publisher = fetcher
     else:
-        residency = ResidentParams(units)
-        sharded_stage = cfg.zero_optimization.stage > 0 and context.world_size > 1
-        publisher = GatherUnits(units) if sharded_stage else KeepUnits()
+        publisher = GatherUnits(units) if policies.stage.gathers_updated_units else KeepUnits()
+        residency = ResidentParams(units, publisher)
     update_policy = FusedCpuUpdate if isinstance(inner, CPUAdam) else TorchUpdate
     sharded = ShardedOptimizer(
         inner=inner,
@@ -134,7 +132,7 @@ def initialize(
         group_params=[g["params"] for g in groups.groups],
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
-    engine = Engine(model, sharded, scheduler, cfg, context, batch, residency, handles)
+    engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles)
     _WRAPPED.add(model)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
@@ -222,25 +220,17 @@ def _write_master(master: MasterShards, units: list[Unit], group: ShardedGroup) 
     master.shards[units.index(group)].copy_(group.local_shard)
 
 
-def _pack(groups: ParamGroups, cfg: Config, context: comm.DistributedContext) -> list[FlatUnit]:
+def _pack(groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.device) -> list[FlatUnit]:
     zero = cfg.zero_optimization
-    stage = zero.stage
-    num_shards = 1 if stage == 0 else context.world_size
-    shard_index = 0 if stage == 0 else context.rank
+    num_shards, shard_index = stage.unit_shards
     return pack_units(
         groups.trainable,
         # Units serve both the reduce-scatter and the all-gather.
         min(zero.reduce_bucket_size, zero.allgather_bucket_size),
         num_shards,
         shard_index,
-        context.device,
+        device,
     )
-
-
-def _master_device(cfg: Config, context: comm.DistributedContext) -> torch.device:
-    if cfg.zero_optimization.offload_optimizer.device == "cpu":
-        return torch.device("cpu")
-    return context.device
 
 
 def _cast_model(
@@ -263,13 +253,10 @@ def _cast_model(
                     setattr(module, name, buf.to(dtype))
 
 
-def _reducer(
-    cfg: Config, units: list[Unit], context: comm.DistributedContext, precision: MixedPrecision
-) -> GradientReducer:
-    stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        return ReduceScatterEveryMicroStep(units, context.world_size, precision.reduce_dtype)
-    return AccumulateThenReduce(units, context.world_size, precision.reduce_dtype, sharded=stage == 1)
+def _reducer(stage: StagePolicy, units: list[Unit], precision: MixedPrecision) -> GradientReducer:
+    if stage.reduce_scatters_every_micro_step:
+        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype)
+    return AccumulateThenReduce(units, stage.world_size, precision.reduce_dtype, sharded=stage.shards_optimizer_states)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

@@ -15,6 +15,7 @@ import torch
 from zcore.config import Config
 from zcore.errors import ConfigError
 from zcore.optim import CPUAdam
+from zcore.policies import OffloadPolicy, Tier
 
 # Optimizers whose update is element-wise, so that running them on any slice
 # of a parameter gives that slice of the full update.
@@ -96,6 +97,7 @@ def collect_param_groups(
 def build_optimizer(
     optimizer: Union[None, torch.optim.Optimizer, Callable],
     cfg: Config,
+    offload: OffloadPolicy,
     groups: ParamGroups,
     pieces: dict[int, list[torch.nn.Parameter]],
 ) -> torch.optim.Optimizer:
@@ -130,7 +132,7 @@ def build_optimizer(
         )
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
-    if cfg.zero_optimization.offload_optimizer.device == "cpu" and not p.torch_adam:
+    if offload.optimizer is Tier.HOST and not p.torch_adam:
         # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
         return CPUAdam(
             piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from zcore.checkpoint.layout import engine_layout
-from zcore.param_fetcher import ParamFetcher
 
 
 def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -22,7 +21,7 @@ def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str
     values: dict[str, torch.Tensor] = {}
     optimizer = engine.optimizer
     flats = list(zip(optimizer.units, optimizer.master.shards))
-    if isinstance(engine.residency, ParamFetcher):
+    if engine.policies.stage.shards_parameters:
         flats += [(g, g.local_shard) for g in engine.residency.groups if not g.trainable]
     for unit, shard in flats:
         full = _gather(shard, unit.padded_numel, rank)

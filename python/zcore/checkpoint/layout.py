@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 
-from zcore.param_fetcher import ParamFetcher
 from zcore.sharded_group import ShardedGroup
 
 TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"
@@ -76,9 +75,8 @@ def engine_layout(engine: Any) -> EngineLayout:
             layout.slots.append(Slot(name, meta.param_start, piece.detach(), not replicated or rank == 0, piece))
 
     in_units = {id(p) for unit in optimizer.units for p in unit.params}
-    residency = engine.residency
-    if isinstance(residency, ParamFetcher):
-        for group in residency.groups:
+    if engine.policies.stage.shards_parameters:
+        for group in engine.residency.groups:
             if not group.trainable:
                 _add_frozen_group(layout, infos, names, group)
     else:

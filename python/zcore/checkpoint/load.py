@@ -25,7 +25,6 @@ from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
-from zcore.param_fetcher import ParamFetcher
 
 log = logging.getLogger("zcore")
 
@@ -276,11 +275,7 @@ def _commit(engine: Any, staged: _Staged) -> None:
             slot.data.copy_(value)
         for unit, shard in zip(optimizer.units, optimizer.master.shards):
             unit.local_shard.copy_(shard)
-    residency = engine.residency
-    if isinstance(residency, ParamFetcher):
-        residency.reload()
-    else:
-        optimizer.publisher.publish()
+    engine.residency.reload()
     if staged.states is not None:
         inner = optimizer.inner
         for slot in staged.layout.slots_of(TRAINED):

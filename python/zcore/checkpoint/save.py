@@ -131,7 +131,7 @@ def _write_rank(
 
 def _meta(engine: Any, layout: EngineLayout, tag: str, checksums: list, client_json: Any) -> dict:
     optimizer = engine.optimizer
-    offload = engine.config.zero_optimization.offload_optimizer.device
+    offload = engine.policies.offload.optimizer.value
     return {
         "format": directory.FORMAT,
         "version": directory.VERSION,
