@@ -33,7 +33,7 @@ from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
 from zcore.module_calls import CallTracker, ModuleCall
 from zcore.plan_execution import PlanExecutor
 from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
-from zcore.saved_views import SavedViews
+from zcore.saved_views import SavedViews, hooks_in_force
 from zcore.sharded_group import ShardedGroup
 from zcore.use_sites import ModelNames, UseSites
 
@@ -120,6 +120,7 @@ class ParamFetcher:
         check = self._released_check if self.coordinator.recording else contextlib.nullcontext()
         try:
             with (
+                self._saved.composed_with(hooks_in_force()),
                 torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
                 set_checkpoint_early_stop(False),
                 check,

@@ -8,11 +8,23 @@ kept as (group, offset, size, stride) and rebuilt from the group's buffer of
 the moment at backward, when the module's backward pre-hook has gathered the
 group again. Arena compaction moves buffers the same way, which is why
 nothing else may keep a view across a gather.
+
+The user's own saved-tensor hooks around ``engine(x)`` (``save_on_cpu()``,
+their own pack and unpack) compose with these: zcore's pushed on top would
+otherwise shadow them, since autograd calls only the innermost pair. Every
+saved tensor that is not a parameter or a view of a gathered buffer goes
+through the user's pack, and comes back through their unpack; parameters
+and their views stay zcore's (they are re-gathered for backward, not
+stored). torch offers no public way to read the hooks in force, so they are
+read with ``torch._C._autograd._top_saved_tensors_default_hooks``; a torch
+that changes it fails the activation tests at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -25,6 +37,18 @@ class _SavedView(NamedTuple):
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
+
+
+class _UserPacked(NamedTuple):
+    """What the user's pack hook returned, with the unpack that reverses it."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
+
+
+def hooks_in_force() -> Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]]:
+    """The (pack, unpack) pair autograd would use now, if any."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 class SavedViews:
@@ -41,16 +65,31 @@ class SavedViews:
         self._group_of_param = group_of_param
         self._gathered = gathered  # whether a group's buffer holds its parameters now
         self._shapes_of = shapes_of  # a group's parameter shapes, for errors
+        self._outer: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
+
+    @contextlib.contextmanager
+    def composed_with(self, outer: Optional[tuple[Callable, Callable]]) -> Iterator[None]:
+        """Within it, tensors zcore does not relocate go through ``outer``'s pack."""
+        self._outer = outer
+        try:
+            yield
+        finally:
+            self._outer = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.layout != torch.strided or id(t) in self._group_of_param:
+        if id(t) in self._group_of_param:
             return t  # a parameter saved as itself: its .data follows the gathers
-        owner = self._buffers.owner_of(t)
-        if owner is None:
+        owner = self._buffers.owner_of(t) if t.layout == torch.strided else None
+        if owner is not None:
+            return _SavedView(owner[0], owner[1], t.shape, t.stride())
+        if self._outer is None:
             return t
-        return _SavedView(owner[0], owner[1], t.shape, t.stride())
+        pack, unpack = self._outer
+        return _UserPacked(pack(t), unpack)
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _UserPacked):
+            return saved.unpack(saved.packed)
         if not isinstance(saved, _SavedView):
             return saved
         if not self._gathered(saved.group):
