@@ -16,15 +16,15 @@ bool contains(const std::vector<GroupId>& ids, GroupId id) {
 
 const std::vector<GroupId> kNoGroups;
 
-}  // namespace
-
-ParamCoordinator::ParamCoordinator(const CoordinatorConfig& config) : config_(config) {
+const CoordinatorConfig& validated(const CoordinatorConfig& config) {
   const std::pair<const char*, std::int64_t> values[] = {
       {"prefetch_bucket_elements", config.prefetch_bucket_elements},
       {"max_live_elements", config.max_live_elements},
       {"max_reuse_distance", config.max_reuse_distance},
       {"persistence_threshold", config.persistence_threshold},
       {"resync_window", config.resync_window},
+      {"staging_bytes", config.staging_bytes},
+      {"fetch_horizon_uses", config.fetch_horizon_uses},
   };
   for (const auto& [name, value] : values) {
     if (value < 0) {
@@ -34,10 +34,46 @@ ParamCoordinator::ParamCoordinator(const CoordinatorConfig& config) : config_(co
                   {{"key", std::string(name)}, {"value", value}});
     }
   }
+  return config;
 }
 
+}  // namespace
+
+ParamCoordinator::ParamCoordinator(const CoordinatorConfig& config)
+    : config_(validated(config)), shards_(config.staging_bytes) {}
+
 GroupId ParamCoordinator::register_group(std::int64_t numel, std::int64_t element_size) {
-  return groups_.add(numel, element_size, numel < config_.persistence_threshold);
+  return register_group(numel, element_size, numel, ShardTier::kDevice);
+}
+
+GroupId ParamCoordinator::register_group(std::int64_t numel, std::int64_t element_size,
+                                         std::int64_t shard_numel, ShardTier tier) {
+  const bool persistent = numel < config_.persistence_threshold;
+  // Everything is checked before either table changes, so a refused group leaves no trace.
+  if (numel > 0 && element_size > 0 && (shard_numel <= 0 || shard_numel > numel)) {
+    throw Error(StatusCode::kInvalidArgument,
+                "register_group: shard_numel=" + std::to_string(shard_numel) +
+                    " must be in [1, numel=" + std::to_string(numel) +
+                    "]: the rank's shard of the group (numel / world size when padded)",
+                {{"numel", numel}, {"shard_numel", shard_numel}});
+  }
+  if (persistent) tier = ShardTier::kDevice;  // it stays gathered and is refreshed from its shard
+  const std::int64_t shard_bytes = shard_numel * element_size;
+  if (tier != ShardTier::kDevice && shard_bytes > config_.staging_bytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string("register_group: a shard of ") + std::to_string(shard_bytes) +
+                    " bytes on tier " + shard_tier_name(tier) +
+                    " is staged on the device before its all-gather, but coordinator config "
+                    "staging_bytes=" + std::to_string(config_.staging_bytes) +
+                    "; set staging_bytes to at least the largest offloaded shard (" +
+                    std::to_string(shard_bytes) + " bytes here), a few times that to fetch ahead",
+                {{"key", std::string("staging_bytes")},
+                 {"value", config_.staging_bytes},
+                 {"needed", shard_bytes}});
+  }
+  const GroupId id = groups_.add(numel, element_size, persistent);
+  shards_.add(shard_bytes, tier);
+  return id;
 }
 
 ModuleId ParamCoordinator::register_module(const std::vector<GroupId>& groups) {
@@ -84,6 +120,7 @@ void ParamCoordinator::begin_step(std::int64_t trace_key) {
   step_departed_ = false;
   position_ = 0;
   frontier_ = 0;
+  fetch_frontier_ = 0;
   step_ = slot_->trace.empty() ? StepState::kRecording : StepState::kFollowing;
 }
 
@@ -106,8 +143,15 @@ const Plan& ParamCoordinator::before_module(ModuleId module) {
     groups_.claim(g);  // no longer ahead of use: frees its share of the prefetch bucket
   }
   make_room(entering);
+  // Shard reads are issued before the all-gathers and their waits, this
+  // module's first, so that they overlap each other and the waits. Reads
+  // ahead wait while this module lacks staging: they would take its slots.
+  const bool entering_staged = fetch_entering(entering);
+  if (step_ == StepState::kFollowing && entering_staged) fetch_ahead();
   for (GroupId g : entering) {
-    if (groups_.state(g) == GroupState::kSharded) emit_gather(g, false);
+    if (groups_.state(g) != GroupState::kSharded) continue;
+    stage_for_gather(g, entering);
+    emit_gather(g, false);
   }
   // Prefetches are issued before waiting on this module's gathers so that
   // the communication stream never idles while the caller waits.
@@ -145,6 +189,9 @@ const Plan& ParamCoordinator::after_module(ModuleId module) {
   if (groups_.live_elements() > limit) {
     evict(groups_.live_elements() - limit, 0, false, kNoGroups);
   }
+  // A group released here is used again later: its read starts now rather
+  // than in the plan whose prefetch gathers it.
+  if (step_ == StepState::kFollowing) fetch_ahead();
   return plan_;
 }
 
@@ -170,6 +217,7 @@ const Plan& ParamCoordinator::end_step() {
     note_departure(slot_->trace.at(position_), -1);  // the step ended before its trace did
   }
   drain(false);
+  drain_shards(true);
   finish_step();
   return plan_;
 }
@@ -182,6 +230,7 @@ const Plan& ParamCoordinator::abort_step() {
     }
   }
   drain(false);
+  drain_shards(true);
   if (step_ != StepState::kIdle) {
     ++stats_.aborted_steps;
     step_ = StepState::kIdle;
@@ -198,6 +247,43 @@ const Plan& ParamCoordinator::release_all() {
   }
   plan_.clear();
   drain(true);
+  drain_shards(false);
+  return plan_;
+}
+
+const Plan& ParamCoordinator::store_shards(const std::vector<GroupId>& updated) {
+  if (step_ != StepState::kIdle) {
+    throw Error(StatusCode::kInvalidState,
+                "store_shards() inside the step of trace key " + std::to_string(trace_key_) +
+                    ": call it between steps, after end_step() and the optimizer step",
+                {{"trace_key", trace_key_}});
+  }
+  std::vector<bool> listed(groups_.size(), false);
+  for (GroupId g : updated) {  // all checked before any changes, so a misuse changes nothing
+    groups_.check(g);
+    if (listed[static_cast<std::size_t>(g)]) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "store_shards: group " + std::to_string(g) +
+                      " is listed twice; list each updated group once",
+                  {{"group", g}});
+    }
+    listed[static_cast<std::size_t>(g)] = true;
+  }
+  plan_.clear();
+  for (GroupId g : updated) {
+    if (shards_.tier(g) != ShardTier::kNvme) continue;
+    if (shards_.state(g) == ShardState::kStoring) emit_shard_stored(g);  // one write at a time
+    emit_store(g);
+  }
+  return plan_;
+}
+
+const Plan& ParamCoordinator::finish_stores() {
+  plan_.clear();
+  for (std::size_t i = 0; i < shards_.size() && shards_.stores_in_flight() > 0; ++i) {
+    const auto g = static_cast<GroupId>(i);
+    if (shards_.state(g) == ShardState::kStoring) emit_shard_stored(g);
+  }
   return plan_;
 }
 
@@ -268,7 +354,13 @@ void ParamCoordinator::prefetch(const std::vector<GroupId>& entering) {
                                   config_.max_live_elements - groups_.live_elements()};
     const PrefetchResult result =
         scheduler_.schedule(slot_->trace, groups_, request, &candidates_);
-    for (const PrefetchCandidate& c : candidates_) emit_gather(c.group, true);
+    for (const PrefetchCandidate& c : candidates_) {
+      if (!stage_for_prefetch(c.group)) {
+        frontier_ = c.use;  // the uses before it are gathered, in flight or taken
+        return;
+      }
+      emit_gather(c.group, true);
+    }
     frontier_ = result.frontier;
     if (!result.blocked) return;
     // Displace groups used later than the blocked candidate (Belady's rule);
@@ -321,6 +413,15 @@ bool ParamCoordinator::keep_after_use(GroupId group) const {
          slot_->trace.elements_between(position_, use) <= config_.max_reuse_distance;
 }
 
+void ParamCoordinator::rewind_frontiers(GroupId group, bool gather) {
+  if (step_ != StepState::kFollowing && step_ != StepState::kDeparted) return;
+  // Keep the frontiers' invariants (prefetch.h, shard_tiers.h): the group's
+  // next use needs a gather (or a fetch) again. next_use is >= position, or kNone.
+  const std::size_t use = slot_->trace.next_use(group, position_);
+  if (gather) frontier_ = std::min(frontier_, use);
+  if (shards_.offloaded(group)) fetch_frontier_ = std::min(fetch_frontier_, use);
+}
+
 void ParamCoordinator::drain(bool release_persistent) {
   for (std::size_t i = 0; i < groups_.size(); ++i) {
     const auto g = static_cast<GroupId>(i);
@@ -359,15 +460,13 @@ void ParamCoordinator::emit_gather(GroupId group, bool ahead_of_use) {
 void ParamCoordinator::emit_wait(GroupId group) {
   groups_.finish_gather(group);
   plan_.push_back(Action{ActionKind::kWait, group});
+  // The all-gather has read the staged shard: its slot goes back at once.
+  if (shards_.offloaded(group)) emit_drop(group);
 }
 
 void ParamCoordinator::emit_release(GroupId group) {
   if (groups_.ahead_of_use(group)) ++stats_.prefetch_unused;
-  if (step_ == StepState::kFollowing || step_ == StepState::kDeparted) {
-    // Keep the prefetch frontier's invariant (prefetch.h): no sharded group
-    // is used in [position, frontier). next_use is >= position, or kNone.
-    frontier_ = std::min(frontier_, slot_->trace.next_use(group, position_));
-  }
+  rewind_frontiers(group, true);
   groups_.release(group);
   plan_.push_back(Action{ActionKind::kRelease, group});
   ++stats_.releases;
@@ -405,13 +504,155 @@ std::vector<GroupId> ParamCoordinator::trace(std::int64_t trace_key) const {
   return it == traces_.end() ? std::vector<GroupId>{} : it->second.trace.uses();
 }
 
+ShardTier ParamCoordinator::shard_tier(GroupId group) const {
+  shards_.check(group);
+  return shards_.tier(group);
+}
+
+ShardState ParamCoordinator::shard_state(GroupId group) const {
+  shards_.check(group);
+  return shards_.state(group);
+}
+
 CoordinatorStats ParamCoordinator::stats() const {
   CoordinatorStats s = stats_;
   s.live_elements = groups_.live_elements();
   s.persistent_elements = groups_.persistent_gathered_elements();
+  const ShardTierStats t = shards_.stats();
+  s.shard_fetches = t.fetches;
+  s.shard_bytes_fetched = t.bytes_fetched;
+  s.shard_stores = t.stores;
+  s.shard_bytes_stored = t.bytes_stored;
+  s.staged_bytes = shards_.staged_bytes();
+  s.peak_staged_bytes = t.peak_staged_bytes;
   return s;
 }
 
-void ParamCoordinator::reset_peak() { stats_.peak_live_elements = groups_.live_elements(); }
+void ParamCoordinator::reset_peak() {
+  stats_.peak_live_elements = groups_.live_elements();
+  shards_.reset_peak();
+}
+
+// Shard tiers ----------------------------------------------------------------
+
+bool ParamCoordinator::fetch_entering(const std::vector<GroupId>& entering) {
+  bool all_staged = true;
+  for (GroupId g : entering) {
+    if (!shards_.offloaded(g) || groups_.state(g) != GroupState::kSharded || shards_.staged(g)) {
+      continue;
+    }
+    if (shards_.can_fetch(g)) {
+      emit_fetch(g, false);
+    } else {
+      all_staged = false;  // stage_for_gather makes room for it
+    }
+  }
+  return all_staged;
+}
+
+void ParamCoordinator::fetch_ahead() {
+  if (shards_.offloaded_groups() == 0) return;
+  const FetchRequest request{std::max(fetch_frontier_, position_),
+                             position_ + static_cast<std::size_t>(config_.fetch_horizon_uses)};
+  fetch_frontier_ = fetcher_.schedule(slot_->trace, groups_, shards_, request, &fetches_);
+  for (GroupId g : fetches_) emit_fetch(g, true);
+}
+
+void ParamCoordinator::stage_for_gather(GroupId group, const std::vector<GroupId>& entering) {
+  if (!shards_.offloaded(group) || shards_.state(group) == ShardState::kFetched) return;
+  if (shards_.state(group) != ShardState::kFetching) {
+    make_staging_room(group, entering);
+    emit_fetch(group, false);
+  }
+  emit_shard_ready(group);
+}
+
+bool ParamCoordinator::stage_for_prefetch(GroupId group) {
+  if (!shards_.offloaded(group) || shards_.state(group) == ShardState::kFetched) return true;
+  if (shards_.state(group) != ShardState::kFetching) {
+    // A prefetch frees no slot: it waits until the uses before it free theirs.
+    if (!shards_.can_fetch(group)) return false;
+    emit_fetch(group, false);
+  }
+  emit_shard_ready(group);
+  return true;
+}
+
+// Frees staging for a shard the module being entered needs, cheapest first:
+// (0) shards fetched ahead for other groups, farthest next use first (they
+// are fetched again later); (1) this module's all-gathers in flight (their
+// wait is due anyway); (2) prefetched all-gathers in flight, nearest use
+// first (likely arrived); (3) shards fetched ahead for this module's other
+// groups. Staged shards are always of one of these kinds, so the loop ends
+// with room at the latest when nothing is staged (staging_fits).
+void ParamCoordinator::make_staging_room(GroupId group, const std::vector<GroupId>& entering) {
+  if (shards_.can_fetch(group)) return;
+  staged_victims_.clear();
+  for (GroupId h : shards_.staged_groups()) {
+    const bool own = contains(entering, h);
+    const std::size_t use = next_use(h);
+    if (groups_.state(h) == GroupState::kSharded) {
+      staged_victims_.push_back({own ? 3 : 0, ExecutionTrace::kNone - use, h});
+    } else {
+      staged_victims_.push_back({own ? 1 : 2, use, h});
+    }
+  }
+  std::sort(staged_victims_.begin(), staged_victims_.end(), [](const auto& a, const auto& b) {
+    if (a.rank != b.rank) return a.rank < b.rank;
+    if (a.key != b.key) return a.key < b.key;
+    return a.group < b.group;  // every rank computes the same plan
+  });
+  for (const StagedVictim& v : staged_victims_) {
+    if (shards_.can_fetch(group)) return;
+    if (groups_.state(v.group) == GroupState::kGathering) {
+      emit_wait(v.group);  // drops its shard
+      continue;
+    }
+    if (shards_.state(v.group) == ShardState::kFetching) emit_shard_ready(v.group);
+    emit_drop(v.group);
+  }
+}
+
+void ParamCoordinator::drain_shards(bool wait_stores) {
+  if (shards_.offloaded_groups() == 0) return;
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    const auto g = static_cast<GroupId>(i);
+    if (shards_.state(g) == ShardState::kFetching) emit_shard_ready(g);
+    if (shards_.state(g) == ShardState::kFetched) emit_drop(g);
+    if (wait_stores && shards_.state(g) == ShardState::kStoring) emit_shard_stored(g);
+  }
+}
+
+void ParamCoordinator::emit_fetch(GroupId group, bool ahead) {
+  if (shards_.state(group) == ShardState::kStoring) emit_shard_stored(group);
+  shards_.start_fetch(group);
+  plan_.push_back(Action{ActionKind::kFetchShard, group});
+  if (ahead) ++stats_.shard_fetches_ahead;
+}
+
+void ParamCoordinator::emit_shard_ready(GroupId group) {
+  shards_.finish_fetch(group);
+  plan_.push_back(Action{ActionKind::kShardReady, group});
+}
+
+void ParamCoordinator::emit_drop(GroupId group) {
+  const bool unused = groups_.state(group) == GroupState::kSharded;  // not all-gathered from it
+  shards_.drop(group);
+  plan_.push_back(Action{ActionKind::kDropShard, group});
+  if (unused) {
+    ++stats_.shard_fetches_unused;
+    rewind_frontiers(group, false);
+  }
+}
+
+void ParamCoordinator::emit_store(GroupId group) {
+  shards_.start_store(group);
+  plan_.push_back(Action{ActionKind::kStoreShard, group});
+}
+
+void ParamCoordinator::emit_shard_stored(GroupId group) {
+  shards_.finish_store(group);
+  plan_.push_back(Action{ActionKind::kShardStored, group});
+}
 
 }  // namespace zcore

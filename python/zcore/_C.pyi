@@ -95,6 +95,23 @@ class Action(enum.Enum):
     GATHER = 0
     WAIT = 1
     RELEASE = 2
+    FETCH_SHARD = 3
+    SHARD_READY = 4
+    DROP_SHARD = 5
+    STORE_SHARD = 6
+    SHARD_STORED = 7
+
+class ShardTier(enum.Enum):
+    DEVICE = 0
+    HOST = 1
+    NVME = 2
+
+class ShardState(enum.Enum):
+    RESIDENT = 0
+    STORED = 1
+    FETCHING = 2
+    FETCHED = 3
+    STORING = 4
 
 Plan = list[tuple[Action, int]]
 
@@ -104,6 +121,8 @@ class CoordinatorConfig:
     max_reuse_distance: int
     persistence_threshold: int
     resync_window: int
+    staging_bytes: int
+    fetch_horizon_uses: int
     def __init__(
         self,
         *,
@@ -112,6 +131,8 @@ class CoordinatorConfig:
         max_reuse_distance: int = 1_000_000_000,
         persistence_threshold: int = 100_000,
         resync_window: int = 64,
+        staging_bytes: int = 0,
+        fetch_horizon_uses: int = 64,
     ) -> None: ...
 
 class TraceDeparture:
@@ -140,10 +161,20 @@ class CoordinatorStats:
     live_elements: int
     peak_live_elements: int
     persistent_elements: int
+    shard_fetches: int
+    shard_bytes_fetched: int
+    shard_fetches_ahead: int
+    shard_fetches_unused: int
+    shard_stores: int
+    shard_bytes_stored: int
+    staged_bytes: int
+    peak_staged_bytes: int
 
 class ParamCoordinator:
     def __init__(self, config: CoordinatorConfig) -> None: ...
-    def register_group(self, numel: int, element_size: int) -> int: ...
+    def register_group(
+        self, numel: int, element_size: int, *, shard_numel: int | None = None, tier: ShardTier = ShardTier.DEVICE
+    ) -> int: ...
     def register_module(self, groups: list[int]) -> int: ...
     def begin_step(self, trace_key: int = 0) -> None: ...
     def before_module(self, module: int) -> Plan: ...
@@ -151,10 +182,14 @@ class ParamCoordinator:
     def end_step(self) -> Plan: ...
     def abort_step(self) -> Plan: ...
     def release_all(self) -> Plan: ...
+    def store_shards(self, updated: list[int]) -> Plan: ...
+    def finish_stores(self) -> Plan: ...
     def take_departure_notice(self) -> TraceDeparture | None: ...
     def state(self, group: int) -> GroupState: ...
     def use_count(self, group: int) -> int: ...
     def persistent(self, group: int) -> bool: ...
+    def shard_tier(self, group: int) -> ShardTier: ...
+    def shard_state(self, group: int) -> ShardState: ...
     def module_groups(self, module: int) -> list[int]: ...
     def unforeseen(self, module: int) -> bool: ...
     def trace(self, trace_key: int = 0) -> list[int]: ...

@@ -14,9 +14,24 @@
 //     non-persistent is gathered; after release_all nothing is gathered;
 //   - the coordinator's reported states, use counts, gather count and peak
 //     agree with the caller's view.
+// and, for groups whose shard is offloaded (host or NVMe; shard_tiers.h):
+//   - shard actions come only for offloaded groups, writes only for NVMe ones;
+//   - a kGather follows the shard's kFetchShard, and its kShardReady in the
+//     same plan; a fetch never starts while the shard's write is in flight;
+//   - every kWait is followed at once by the kDropShard of the same group,
+//     and no shard is dropped while the all-gather reading it is in flight;
+//   - staged bytes stay within staging_bytes (or are one shard alone);
+//   - after end_step/abort_step no shard is staged and no fetch or write is
+//     in flight; after release_all no shard is staged; after finish_stores no
+//     write is in flight;
+//   - shard states and statistics agree with the caller's view.
+// It also counts the gathers whose shard fetch was issued in the same plan,
+// outside the first plan of a step (a measure of how far fetches run ahead).
 // RandomTrace generates a model (random group sizes, modules sharing groups)
 // and steps of nested, repeated, re-entrant module calls, departing from the
-// previous steps on some of them, under random budgets.
+// previous steps on some of them, under random budgets; with tiers, also
+// random shard tiers, world sizes, staging budgets, fetch horizons and
+// shard writes between steps.
 #pragma once
 
 #include <algorithm>
@@ -40,15 +55,34 @@ using Calls = std::vector<Call>;
 class FaithfulCaller {
  public:
   // The modules' groups and the groups' sizes come from the test's model;
-  // persistence follows from the configured threshold.
+  // persistence follows from the configured threshold. Tiers and shard bytes
+  // are those registered (empty: every shard on the device); persistent
+  // groups keep their shard on the device whatever tier was asked.
   FaithfulCaller(ParamCoordinator& coordinator, std::vector<std::vector<GroupId>> modules,
-                 std::vector<std::int64_t> numel)
-      : c_(coordinator), modules_(std::move(modules)), numel_(std::move(numel)) {
+                 std::vector<std::int64_t> numel, std::vector<ShardTier> tiers = {},
+                 std::vector<std::int64_t> shard_bytes = {})
+      : c_(coordinator), modules_(std::move(modules)), numel_(std::move(numel)),
+        shard_bytes_(std::move(shard_bytes)) {
     const std::size_t n = numel_.size();
     view_.assign(n, View::kSharded);
     users_.assign(n, 0);
     ahead_.assign(n, false);
     for (std::int64_t e : numel_) persistent_.push_back(e < c_.config().persistence_threshold);
+    tiers_.assign(n, ShardTier::kDevice);
+    shard_bytes_.resize(n, 0);
+    fetch_plan_.assign(n, -1);
+    ready_plan_.assign(n, -1);
+    for (std::size_t g = 0; g < n && g < tiers.size(); ++g) {
+      if (!persistent_[g]) tiers_[g] = tiers[g];
+    }
+    for (std::size_t g = 0; g < n; ++g) {
+      shard_.push_back(offloaded(g) ? ShardState::kStored : ShardState::kResident);
+      if (c_.shard_tier(static_cast<GroupId>(g)) != tiers_[g]) {
+        fail("group " + str(static_cast<std::int64_t>(g)) + " is on tier " +
+             shard_tier_name(c_.shard_tier(static_cast<GroupId>(g))) + " for the coordinator, " +
+             shard_tier_name(tiers_[g]) + " for the caller");
+      }
+    }
   }
 
   void call(const Call& call) { call.enter ? enter(call.module) : leave(call.module); }
@@ -71,18 +105,44 @@ class FaithfulCaller {
     check_agreement("after_module");
   }
 
-  void begin_step(std::int64_t key) { c_.begin_step(key); }
-  void end_step() { finish(c_.end_step(), false, "end_step"); }
+  void begin_step(std::int64_t key) {
+    c_.begin_step(key);
+    step_first_plan_ = plans_ + 1;  // the next plan executed
+  }
+  void end_step() {
+    finish(c_.end_step(), false, "end_step");
+    step_first_plan_ = -1;
+  }
   void abort_step() {
     std::fill(users_.begin(), users_.end(), 0);
     finish(c_.abort_step(), false, "abort_step");
+    step_first_plan_ = -1;
   }
   void release_all() { finish(c_.release_all(), true, "release_all"); }
+  void store_shards(const std::vector<GroupId>& updated) {
+    execute(c_.store_shards(updated), nullptr);
+    for (GroupId g : updated) {
+      if (tiers_[idx(g)] == ShardTier::kNvme && shard_[idx(g)] != ShardState::kStoring) {
+        fail("store_shards: the NVMe shard of group " + str(g) + " is not being written");
+      }
+    }
+    check_agreement("store_shards");
+  }
+  void finish_stores() {
+    execute(c_.finish_stores(), nullptr);
+    for (std::size_t g = 0; g < shard_.size(); ++g) {
+      if (shard_[g] == ShardState::kStoring) fail("finish_stores: group " + str(g) + " still storing");
+    }
+    check_agreement("finish_stores");
+  }
 
   std::int64_t violations() const { return violations_; }
   const std::string& first_violation() const { return first_; }
   std::int64_t gathers() const { return gathers_; }
   std::int64_t peak_live() const { return peak_live_; }
+  std::int64_t offloaded_gathers() const { return offloaded_gathers_; }
+  // Gathers whose shard fetch was issued in the same plan, outside the first plan of a step.
+  std::int64_t late_fetches() const { return late_fetches_; }
 
  private:
   enum class View { kSharded, kInFlight, kArrived };
@@ -123,12 +183,17 @@ class FaithfulCaller {
     }
   }
 
+  bool offloaded(std::size_t g) const { return tiers_[g] != ShardTier::kDevice; }
+
   void execute(const Plan& plan, const std::vector<GroupId>* entering) {
-    for (const Action& a : plan) {
+    ++plans_;
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      const Action& a = plan[i];
       const std::size_t g = idx(a.group);
       switch (a.kind) {
         case ActionKind::kGather:
           if (view_[g] != View::kSharded) fail("gather of group " + str(a.group) + " that is not sharded");
+          if (offloaded(g)) gather_offloaded(g);
           view_[g] = View::kInFlight;
           ahead_[g] = !entering || std::find(entering->begin(), entering->end(), a.group) ==
                                        entering->end();
@@ -137,6 +202,10 @@ class FaithfulCaller {
         case ActionKind::kWait:
           if (view_[g] != View::kInFlight) fail("wait for group " + str(a.group) + " not in flight");
           view_[g] = View::kArrived;
+          if (offloaded(g) && (i + 1 == plan.size() || plan[i + 1].kind != ActionKind::kDropShard ||
+                               plan[i + 1].group != a.group)) {
+            fail("wait for offloaded group " + str(a.group) + " not followed by its kDropShard");
+          }
           break;
         case ActionKind::kRelease:
           if (view_[g] == View::kInFlight) fail("release of group " + str(a.group) + " in flight");
@@ -144,9 +213,74 @@ class FaithfulCaller {
           view_[g] = View::kSharded;
           ahead_[g] = false;
           break;
+        default:
+          shard_action(a);
+          break;
       }
       peak_live_ = std::max(peak_live_, live());
       if (entering) check_live_limit(entering, "before_module");
+    }
+  }
+
+  void gather_offloaded(std::size_t g) {
+    if (shard_[g] != ShardState::kFetched || ready_plan_[g] != plans_) {
+      fail("gather of group " + str(static_cast<std::int64_t>(g)) +
+           " without its shard's kShardReady in the same plan");
+    }
+    ++offloaded_gathers_;
+    if (fetch_plan_[g] == plans_ && plans_ != step_first_plan_ && step_first_plan_ >= 0) {
+      ++late_fetches_;
+    }
+  }
+
+  void shard_action(const Action& a) {
+    const std::size_t g = idx(a.group);
+    const std::string group = "group " + str(a.group);
+    const auto expect = [&](ShardState from, ShardState to, const char* what) {
+      if (shard_[g] != from) {
+        fail(std::string(what) + " of " + group + " whose shard is " + shard_state_name(shard_[g]));
+      }
+      shard_[g] = to;
+    };
+    if (!offloaded(g)) {
+      fail("shard action " + str(static_cast<std::int64_t>(a.kind)) + " for " + group +
+           " on the device tier");
+      return;
+    }
+    switch (a.kind) {
+      case ActionKind::kFetchShard:
+        expect(ShardState::kStored, ShardState::kFetching, "fetch");
+        staged_ += shard_bytes_[g];
+        if (staged_ > c_.config().staging_bytes && staged_ != shard_bytes_[g]) {
+          fail("fetch of " + group + ": " + str(staged_) + " bytes staged > staging_bytes " +
+               str(c_.config().staging_bytes));
+        }
+        peak_staged_ = std::max(peak_staged_, staged_);
+        fetch_plan_[g] = plans_;
+        ++fetches_;
+        fetched_bytes_ += shard_bytes_[g];
+        break;
+      case ActionKind::kShardReady:
+        expect(ShardState::kFetching, ShardState::kFetched, "shard ready");
+        ready_plan_[g] = plans_;
+        break;
+      case ActionKind::kDropShard:
+        if (view_[g] == View::kInFlight) fail("drop of " + group + "'s shard while its all-gather is in flight");
+        expect(ShardState::kFetched, ShardState::kStored, "drop");
+        staged_ -= shard_bytes_[g];
+        break;
+      case ActionKind::kStoreShard:
+        if (tiers_[g] != ShardTier::kNvme) fail("store of " + group + " not on NVMe");
+        expect(ShardState::kStored, ShardState::kStoring, "store");
+        ++stores_;
+        stored_bytes_ += shard_bytes_[g];
+        break;
+      case ActionKind::kShardStored:
+        expect(ShardState::kStoring, ShardState::kStored, "shard stored");
+        break;
+      default:
+        fail("unknown action " + str(static_cast<std::int64_t>(a.kind)));
+        break;
     }
   }
 
@@ -156,6 +290,11 @@ class FaithfulCaller {
       if (view_[g] == View::kInFlight) fail(std::string(where) + ": group " + str(g) + " left in flight");
       if (view_[g] == View::kArrived && (everything || !persistent_[g])) {
         fail(std::string(where) + ": group " + str(g) + " left gathered");
+      }
+      const ShardState s = shard_[g];
+      if (s == ShardState::kFetching || s == ShardState::kFetched ||
+          (!everything && s == ShardState::kStoring)) {
+        fail(std::string(where) + ": the shard of group " + str(g) + " left " + shard_state_name(s));
       }
     }
     check_agreement(where);
@@ -172,9 +311,21 @@ class FaithfulCaller {
              " for the coordinator, " + group_state_name(expected) + " for the caller");
       }
     }
+    for (std::size_t g = 0; g < shard_.size(); ++g) {
+      const ShardState s = c_.shard_state(static_cast<GroupId>(g));
+      if (s != shard_[g]) {
+        fail(std::string(where) + ": the shard of group " + str(g) + " is " + shard_state_name(s) +
+             " for the coordinator, " + shard_state_name(shard_[g]) + " for the caller");
+      }
+    }
     const CoordinatorStats s = c_.stats();
     if (s.gathers != gathers_ || s.peak_live_elements != peak_live_ || s.live_elements != live()) {
       fail(std::string(where) + ": statistics disagree with the executed plans");
+    }
+    if (s.shard_fetches != fetches_ || s.shard_bytes_fetched != fetched_bytes_ ||
+        s.shard_stores != stores_ || s.shard_bytes_stored != stored_bytes_ ||
+        s.staged_bytes != staged_ || s.peak_staged_bytes != peak_staged_) {
+      fail(std::string(where) + ": shard statistics disagree with the executed plans");
     }
   }
 
@@ -185,6 +336,21 @@ class FaithfulCaller {
   std::vector<View> view_;
   std::vector<std::int64_t> users_;
   std::vector<bool> ahead_;  // gathered ahead of use, not used since
+  std::vector<ShardTier> tiers_;
+  std::vector<std::int64_t> shard_bytes_;
+  std::vector<ShardState> shard_;  // the caller's view, from the shard actions
+  std::vector<std::int64_t> fetch_plan_;  // the plan that last fetched each shard
+  std::vector<std::int64_t> ready_plan_;  // the plan that last waited each fetch
+  std::int64_t plans_ = 0;                // plans executed
+  std::int64_t step_first_plan_ = -1;     // the current step's first plan; -1 outside a step
+  std::int64_t staged_ = 0;
+  std::int64_t peak_staged_ = 0;
+  std::int64_t fetches_ = 0;
+  std::int64_t fetched_bytes_ = 0;
+  std::int64_t stores_ = 0;
+  std::int64_t stored_bytes_ = 0;
+  std::int64_t offloaded_gathers_ = 0;
+  std::int64_t late_fetches_ = 0;
   std::int64_t gathers_ = 0;
   std::int64_t peak_live_ = 0;
   std::int64_t violations_ = 0;
@@ -194,7 +360,11 @@ class FaithfulCaller {
 // One random model, configuration and sequence of steps, from one seed.
 class RandomTrace {
  public:
-  explicit RandomTrace(std::uint64_t seed) : rng_(seed) {
+  static constexpr std::int64_t kElementSize = 2;
+
+  // Without tiers every shard is on the device and the draws are those of
+  // the traces before shard tiers existed (the same seeds, the same traces).
+  explicit RandomTrace(std::uint64_t seed, bool tiered = false) : rng_(seed), tiered_(tiered) {
     const int n_groups = uniform(1, 24);
     for (int g = 0; g < n_groups; ++g) {
       numel_.push_back(static_cast<std::int64_t>(std::pow(10.0, real(0.0, 6.0))));
@@ -216,9 +386,17 @@ class RandomTrace {
     config_.max_reuse_distance = pick({0, uniform64(0, total_), 10 * total_});
     config_.persistence_threshold = pick({0, uniform64(1, 1000), uniform64(1, largest_)});
     config_.resync_window = pick({0, 1, 4, 64});
+    if (tiered_) draw_tiers();
   }
 
   const CoordinatorConfig& config() const { return config_; }
+  const std::vector<ShardTier>& tiers() const { return tiers_; }
+  const std::vector<std::int64_t>& shard_numel() const { return shard_numel_; }
+  std::vector<std::int64_t> shard_bytes() const {
+    std::vector<std::int64_t> bytes;
+    for (std::int64_t n : shard_numel_) bytes.push_back(n * kElementSize);
+    return bytes;
+  }
 
   // Plays `steps` steps (and some untraced calls, aborts and release_all
   // between them) through the caller, which records any violation.
@@ -242,7 +420,10 @@ class RandomTrace {
         for (const Call& c : random_subtree(0)) caller.call(c);  // untraced, outside a step
       }
       if (chance(0.1)) caller.release_all();
+      if (tiered_ && chance(0.6)) caller.store_shards(random_subset());
+      if (tiered_ && chance(0.2)) caller.finish_stores();
     }
+    if (tiered_) caller.finish_stores();
   }
 
   const std::vector<std::vector<GroupId>>& modules() const { return modules_; }
@@ -271,6 +452,37 @@ class RandomTrace {
     }
     calls.push_back({false, m});
     return calls;
+  }
+
+  // Shards on NVMe, on the host or on the device (the mix varies by trace), a
+  // world size, and staging from the least register_group accepts to plenty.
+  void draw_tiers() {
+    const std::int64_t world = uniform(1, 8);
+    const int mix = uniform(0, 3);
+    std::int64_t largest = 0, total = 0;
+    for (std::int64_t numel : numel_) {
+      const ShardTier tier = mix == 0   ? ShardTier::kNvme
+                             : mix == 1 ? ShardTier::kHost
+                                        : static_cast<ShardTier>(uniform(0, 2));
+      tiers_.push_back(tier);
+      shard_numel_.push_back((numel + world - 1) / world);
+      if (tier != ShardTier::kDevice && numel >= config_.persistence_threshold) {
+        largest = std::max(largest, shard_numel_.back() * kElementSize);
+        total += shard_numel_.back() * kElementSize;
+      }
+    }
+    config_.staging_bytes = pick({largest, uniform64(largest, 2 * largest), uniform64(largest, total),
+                                  10 * total});
+    config_.fetch_horizon_uses = pick({0, 1, 4, 64});
+  }
+
+  // Distinct groups in random order: the groups an optimizer step updated.
+  std::vector<GroupId> random_subset() {
+    std::vector<GroupId> ids(numel_.size());
+    for (std::size_t g = 0; g < ids.size(); ++g) ids[g] = static_cast<GroupId>(g);
+    std::shuffle(ids.begin(), ids.end(), rng_);
+    ids.resize(static_cast<std::size_t>(uniform(0, static_cast<int>(ids.size()))));
+    return ids;
   }
 
   std::vector<Calls> random_forward() {
@@ -310,6 +522,9 @@ class RandomTrace {
   }
 
   std::mt19937_64 rng_;
+  bool tiered_;
+  std::vector<ShardTier> tiers_;         // empty without tiers
+  std::vector<std::int64_t> shard_numel_;
   std::vector<std::int64_t> numel_;
   std::vector<std::vector<GroupId>> modules_;
   std::int64_t total_ = 0;
@@ -321,24 +536,35 @@ struct PropertyVerdict {
   std::int64_t violations = 0;
   std::string first_violation;
   CoordinatorStats stats{};  // what the trace exercised
+  std::int64_t offloaded_gathers = 0;
+  std::int64_t late_fetches = 0;  // see FaithfulCaller::late_fetches()
 };
 
 // One random trace checked end to end; deterministic in the seed. A
 // zcore::Error thrown by the coordinator counts as a violation: the harness
 // follows the protocol, so the coordinator must never reject it.
-inline PropertyVerdict check_random_trace(std::uint64_t seed) {
-  RandomTrace trace(seed);
+inline PropertyVerdict check_random_trace(std::uint64_t seed, bool tiered = false) {
+  RandomTrace trace(seed, tiered);
   ParamCoordinator coordinator(trace.config());
-  for (std::int64_t numel : trace.numel()) coordinator.register_group(numel, 2);
+  for (std::size_t g = 0; g < trace.numel().size(); ++g) {
+    if (tiered) {
+      coordinator.register_group(trace.numel()[g], RandomTrace::kElementSize,
+                                 trace.shard_numel()[g], trace.tiers()[g]);
+    } else {
+      coordinator.register_group(trace.numel()[g], RandomTrace::kElementSize);
+    }
+  }
   for (const auto& groups : trace.modules()) coordinator.register_module(groups);
-  FaithfulCaller caller(coordinator, trace.modules(), trace.numel());
+  FaithfulCaller caller(coordinator, trace.modules(), trace.numel(), trace.tiers(),
+                        trace.shard_bytes());
   PropertyVerdict verdict;
   try {
     trace.run(caller, 2 + static_cast<int>(seed % 5));
-    verdict = {caller.violations(), caller.first_violation(), coordinator.stats()};
+    verdict = {caller.violations(), caller.first_violation(), coordinator.stats(),
+               caller.offloaded_gathers(), caller.late_fetches()};
   } catch (const Error& e) {
     verdict = {caller.violations() + 1, std::string("coordinator threw: ") + e.what(),
-               coordinator.stats()};
+               coordinator.stats(), caller.offloaded_gathers(), caller.late_fetches()};
   }
   if (verdict.violations > 0) verdict.first_violation = "seed " + std::to_string(seed) + ": " +
                                                         verdict.first_violation;

@@ -158,3 +158,45 @@ def test_recording_and_unforeseen_uses_are_visible():
     assert not c.recording
     assert not c.unforeseen(modules[0]) and c.unforeseen(modules[1])
     c.abort_step()
+
+
+def test_offloaded_shards_are_fetched_dropped_and_stored_through_plans():
+    F, Y, D = _C.Action.FETCH_SHARD, _C.Action.SHARD_READY, _C.Action.DROP_SHARD
+    ST, SD = _C.Action.STORE_SHARD, _C.Action.SHARD_STORED
+    shard = S // 4 * 2  # bytes of a rank's shard at world size 4
+    with pytest.raises(zcore.InvalidArgumentError, match="staging_bytes") as info:
+        _C.ParamCoordinator(_C.CoordinatorConfig()).register_group(S, 2, shard_numel=S // 4, tier=_C.ShardTier.NVME)
+    assert (info.value.key, info.value.value, info.value.needed) == ("staging_bytes", 0, shard)
+    config = _C.CoordinatorConfig(prefetch_bucket_elements=S, staging_bytes=4 * shard, fetch_horizon_uses=2)
+    assert (config.staging_bytes, config.fetch_horizon_uses) == (4 * shard, 2)
+    c = _C.ParamCoordinator(config)
+    tiers = [_C.ShardTier.NVME, _C.ShardTier.HOST, _C.ShardTier.DEVICE]
+    modules = [c.register_module([c.register_group(S, 2, shard_numel=S // 4, tier=t)]) for t in tiers]
+    assert [c.shard_tier(g) for g in range(3)] == tiers
+    assert c.shard_state(0) is _C.ShardState.STORED and c.shard_state(2) is _C.ShardState.RESIDENT
+    assert step(c, modules)[0] == [(F, 0), (Y, 0), (G, 0), (W, 0), (D, 0)]  # recording: on demand
+    c.begin_step(0)
+    # Following: both shards read first, the prefetch all-gathers the one fetched ahead.
+    assert c.before_module(modules[0]) == [(F, 0), (F, 1), (Y, 0), (G, 0), (Y, 1), (G, 1), (W, 0), (D, 0)]
+    assert c.shard_state(1) is _C.ShardState.FETCHED
+    c.after_module(modules[0])
+    c.end_step()
+    with pytest.raises(zcore.InvalidStateError):
+        c.begin_step(0)
+        c.store_shards([0])
+    c.abort_step()
+    assert c.store_shards([0, 1, 2]) == [(ST, 0)]  # host and device shards change in place
+    assert c.shard_state(0) is _C.ShardState.STORING
+    assert c.finish_stores() == [(SD, 0)]
+    s = c.stats()
+    assert (s.shard_fetches, s.shard_fetches_ahead, s.shard_stores) == (4, 1, 1)
+    assert (s.shard_bytes_fetched, s.shard_bytes_stored) == (4 * shard, shard)
+    assert (s.staged_bytes, s.peak_staged_bytes, s.shard_fetches_unused) == (0, 2 * shard, 0)
+
+
+def test_device_tier_is_the_default_and_plans_hold_no_shard_actions():
+    c, modules = chain(3, prefetch_bucket_elements=S)
+    assert all(c.shard_tier(g) is _C.ShardTier.DEVICE for g in range(3))
+    actions = {a for p in step(c, modules) + step(c, modules) for a, _ in p}
+    assert actions == {G, W, R}
+    assert c.store_shards([0, 1, 2]) == [] and c.finish_stores() == []

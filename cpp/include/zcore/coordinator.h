@@ -1,11 +1,15 @@
 // ZeRO-3 parameter coordinator: decides, at each module, which parameter
 // groups to gather (the module's own and the prefetch), which to wait for,
-// and which to release; the Python layer executes its plans.
+// and which to release, and, for groups whose shard is offloaded to host
+// memory or NVMe (ZeRO-Infinity), when to fetch the shard into a staging slot
+// and when to write an updated shard back; the Python layer executes its plans.
 //
 // Calling protocol (the Python hooks follow it; see also "Plan" below):
 //
 //   at construction:
-//     g = register_group(numel, element_size)     one per parameter group
+//     g = register_group(numel, element_size)     one per parameter group, shard on the device;
+//     g = register_group(numel, element_size,     or with its shard on another tier
+//                        shard_numel, tier)       (see "Shard tiers" below)
 //     m = register_module([g, ...])               one per module with parameters, and one
 //                                                 per extra use site (parameters used outside
 //                                                 their module, GatheredParameters)
@@ -16,10 +20,13 @@
 //     execute(after_module(m))                    forward post-hook / backward post-hook
 //     execute(end_step())                         after backward (or after a no_grad forward)
 //     optimizer step on the shards, then refresh persistent groups (see below)
+//     execute(store_shards(updated))              the NVMe shards the optimizer changed
 //   after an exception inside a step:
 //     execute(abort_step())
 //   once in a while (e.g. each step):
 //     if (d = take_departure_notice()) log it      at most once per stretch of departures
+//   before a checkpoint or shutdown:
+//     execute(finish_stores())                    waits every shard write in flight
 //
 // A Plan is a list of actions to execute in the order given, before the next
 // call into the coordinator:
@@ -28,6 +35,14 @@
 //   kWait    g: wait for g's all-gather (the parameters become usable)
 //   kRelease g: g is not needed: point its parameters away from the buffer
 //               and return the buffer (g is never in flight when released)
+// and, only for groups whose shard is offloaded (never for tier kDevice):
+//   kFetchShard  g: take a staging slot of g's shard bytes and start copying
+//                   (host) or reading (NVMe) g's shard into it
+//   kShardReady  g: wait for that copy/read (the slot is the all-gather's input)
+//   kDropShard   g: g's staged shard is no longer needed: return its slot
+//   kStoreShard  g: start writing g's updated shard (as the optimizer left
+//                   it) to its tier
+//   kShardStored g: wait for that write
 // The coordinator applies each action's state transition when it issues the
 // plan (so plans cost one native call per hook), which is why the caller must
 // execute every action. Every rank issues the same calls and gets the same
@@ -46,13 +61,47 @@
 //   max_live_elements, except while the groups in use plus those of the
 //   module being entered alone exceed it; then nothing else is live;
 // - all-gathers started ahead of use stay within prefetch_bucket_elements
-//   (one group larger than the bucket may be prefetched alone).
+//   (one group larger than the bucket may be prefetched alone);
+// - with every group on tier kDevice, plans hold no shard action and are
+//   exactly those of a coordinator without shard tiers.
+// and, for offloaded groups:
+// - a kGather of g follows g's kFetchShard (in the same or an earlier plan)
+//   and, in the same plan, g's kShardReady; a kFetchShard of g follows the
+//   kShardStored of any write of g in flight;
+// - g's kWait is followed at once by g's kDropShard: a slot is held from the
+//   fetch until the all-gather reading it has been waited, no longer;
+// - staged bytes (shards fetching or fetched) never exceed staging_bytes;
+// - a shard fetched ahead and not all-gathered is waited (kShardReady) and
+//   dropped: when its slot is needed, and at the latest by end_step(),
+//   abort_step() and release_all(); no shard is staged, and no fetch or write
+//   is in flight, after end_step() or abort_step() (release_all() leaves
+//   writes in flight: finish_stores() waits them);
+// - before_module never drops a shard to fetch another unless the shards
+//   staged leave no room; it then drops shards fetched ahead for later uses
+//   (farthest use first), then waits all-gathers in flight to free theirs.
 //
 // Persistent groups (numel < persistence_threshold) stay gathered once
 // gathered, across steps. The optimizer changes their shards, so after each
 // optimizer step the caller either re-gathers them in place (one coalesced
 // all-gather; their state does not change) or executes release_all() so that
 // they are gathered again on first use.
+//
+// Shard tiers (ZeRO-Infinity). Each group's shard lives on the device (the
+// default: nothing changes), in host memory or on NVMe (shard_tiers.h). An
+// offloaded shard is fetched into a device staging slot before its
+// all-gather and dropped after it; staging_bytes bounds the slots. While a
+// step follows its trace, shards are fetched ahead along it, up to
+// fetch_horizon_uses uses past the position and within staging_bytes, so that
+// the all-gather prefetch finds its shards already fetched. Recording,
+// departed, or outside a step, a shard is fetched on demand, right before its
+// all-gather. Host shards are updated in place by the optimizer, so only NVMe
+// shards are written back: store_shards() between steps starts the writes,
+// and a later fetch of a shard being written waits for its write first.
+// Persistent groups stay gathered (and the caller refreshes them from their
+// shards after each optimizer step), so their shard always lives on the
+// device, whatever tier is asked; shard_tier() tells the tier in effect.
+// Every rank registers the same tiers and gets the same plans, so fetches and
+// stores, like the all-gathers, come in the same order on every rank.
 //
 // Trace: the first step of a trace_key records the order of group uses; the
 // following steps follow it to prefetch and to keep groups whose next use is
@@ -74,8 +123,9 @@
 // Not thread-safe: one caller at a time (the Python bindings keep the GIL).
 // Errors: Error(kInvalidHandle) for unknown group or module ids,
 // Error(kInvalidState) for calls out of protocol (after_module without
-// before_module, begin_step inside a step, end_step while a module runs),
-// Error(kInvalidArgument) for bad sizes or config values.
+// before_module, begin_step inside a step, end_step while a module runs,
+// store_shards inside a step), Error(kInvalidArgument) for bad sizes or config
+// values (an offloaded shard larger than staging_bytes included).
 #pragma once
 
 #include <cstddef>
@@ -86,13 +136,14 @@
 
 #include "zcore/param_groups.h"
 #include "zcore/prefetch.h"
+#include "zcore/shard_tiers.h"
 #include "zcore/trace.h"
 
 namespace zcore {
 
 using ModuleId = std::int64_t;  // dense: 0, 1, ... in registration order
 
-// Sizes are in parameter elements, as DeepSpeed's stage3_* keys are.
+// Sizes are in parameter elements, as DeepSpeed's stage3_* keys are, except staging_bytes.
 struct CoordinatorConfig {
   std::int64_t prefetch_bucket_elements = 50'000'000;  // stage3_prefetch_bucket_size; 0: no prefetch
   std::int64_t max_live_elements = 1'000'000'000;      // stage3_max_live_parameters
@@ -102,9 +153,33 @@ struct CoordinatorConfig {
   std::int64_t max_reuse_distance = 1'000'000'000;
   std::int64_t persistence_threshold = 100'000;  // stage3_param_persistence_threshold
   std::int64_t resync_window = 64;  // trace uses searched ahead after a departure
+  // Bytes of device staging slots for offloaded shards fetched (or being
+  // fetched) and not yet dropped; 0 is allowed only while no group is
+  // offloaded: register_group needs at least the largest offloaded shard.
+  // DeepSpeed's analogue: offload_param buffer_count times buffer_size.
+  std::int64_t staging_bytes = 0;
+  // How many trace uses past the position shard fetches may start. Set it
+  // above the uses that the prefetch bucket spans: the all-gather prefetch
+  // fetches the shards it reaches beyond it just before their all-gather (a
+  // wait). In practice staging_bytes binds first; the horizon stops reads
+  // from running far ahead when staging is plentiful, where they would hold
+  // slots longest and be the first wasted at a departure. DeepSpeed walks
+  // its queue past the parameters being all-gathered up to twice the
+  // elements in flight, within its free swap-in buffers; 0: no fetch ahead.
+  std::int64_t fetch_horizon_uses = 64;
 };
 
-enum class ActionKind : std::uint8_t { kGather, kWait, kRelease };
+// The first three keep their values: plans of device-only groups hold only them.
+enum class ActionKind : std::uint8_t {
+  kGather,
+  kWait,
+  kRelease,
+  kFetchShard,
+  kShardReady,
+  kDropShard,
+  kStoreShard,
+  kShardStored,
+};
 
 struct Action {
   ActionKind kind;
@@ -140,6 +215,14 @@ struct CoordinatorStats {
   std::int64_t live_elements;        // now
   std::int64_t peak_live_elements;   // since construction or reset_peak()
   std::int64_t persistent_elements;  // persistent groups gathered or in flight now
+  std::int64_t shard_fetches;        // kFetchShard actions issued
+  std::int64_t shard_bytes_fetched;
+  std::int64_t shard_fetches_ahead;  // of the fetches, those issued ahead of the all-gather prefetch
+  std::int64_t shard_fetches_unused;  // shards dropped without being all-gathered
+  std::int64_t shard_stores;         // kStoreShard actions issued
+  std::int64_t shard_bytes_stored;
+  std::int64_t staged_bytes;         // now
+  std::int64_t peak_staged_bytes;    // since construction or reset_peak()
 };
 
 class ParamCoordinator {
@@ -151,8 +234,14 @@ class ParamCoordinator {
   ParamCoordinator& operator=(const ParamCoordinator&) = delete;
 
   // A group of numel elements of element_size bytes each when gathered;
-  // persistent when numel < persistence_threshold.
+  // persistent when numel < persistence_threshold. Its shard is on the device.
   GroupId register_group(std::int64_t numel, std::int64_t element_size);
+  // The same with the rank's shard of shard_numel elements (0 < shard_numel
+  // <= numel; numel / world size for padded groups) on `tier`. Persistent
+  // groups keep their shard on the device whatever the tier asked. Throws
+  // Error(kInvalidArgument) when an offloaded shard exceeds staging_bytes.
+  GroupId register_group(std::int64_t numel, std::int64_t element_size,
+                         std::int64_t shard_numel, ShardTier tier);
   // A module (or use site) that needs `groups` gathered while it runs; the
   // ids must be registered and distinct (an empty list is allowed).
   ModuleId register_module(const std::vector<GroupId>& groups);
@@ -168,12 +257,22 @@ class ParamCoordinator {
   // Outside a step with no module running: releases every group, persistent
   // ones included (waiting those in flight).
   const Plan& release_all();
+  // Between steps, after the optimizer step: starts writing back the shards
+  // of `updated` (distinct ids, in the order given) that live on NVMe,
+  // waiting a write still in flight for the same shard first. Other tiers
+  // need no write: the optimizer updates device and host shards in place.
+  // Throws Error(kInvalidState) inside a step.
+  const Plan& store_shards(const std::vector<GroupId>& updated);
+  // Waits every shard write in flight (before a checkpoint or shutdown). Any time.
+  const Plan& finish_stores();
 
   std::optional<TraceDeparture> take_departure_notice();
 
   GroupState state(GroupId group) const;
   std::int64_t use_count(GroupId group) const;
   bool persistent(GroupId group) const;
+  ShardTier shard_tier(GroupId group) const;  // the tier in effect (see register_group)
+  ShardState shard_state(GroupId group) const;
   const std::vector<GroupId>& module_groups(ModuleId module) const;
   bool in_step() const { return step_ != StepState::kIdle; }
   // Whether the step's uses are being recorded rather than followed: the
@@ -190,6 +289,7 @@ class ParamCoordinator {
   // The trace adopted for a key (empty before its first step ends).
   std::vector<GroupId> trace(std::int64_t trace_key) const;
   CoordinatorStats stats() const;
+  // Restarts peak_live_elements and peak_staged_bytes from their values now.
   void reset_peak();
   const CoordinatorConfig& config() const { return config_; }
   std::size_t num_groups() const { return groups_.size(); }
@@ -209,6 +309,12 @@ class ParamCoordinator {
     bool notice_armed = true;  // the next departure is notified
   };
 
+  struct StagedVictim {
+    int rank;         // which kind of slot to free first; see make_staging_room
+    std::size_t key;  // order within a rank
+    GroupId group;
+  };
+
   const std::vector<GroupId>& module(ModuleId module) const;
   void follow_trace(GroupId group);
   void note_departure(GroupId expected, GroupId actual);
@@ -217,6 +323,15 @@ class ParamCoordinator {
   bool evict(std::int64_t deficit, std::size_t min_next_use, bool all_or_nothing,
              const std::vector<GroupId>& keep);
   std::size_t next_use(GroupId group) const;
+  // The group's next use needs an all-gather (gather) or a shard fetch again.
+  void rewind_frontiers(GroupId group, bool gather);
+  // Shard staging (coordinator.cpp, "Shard tiers").
+  bool fetch_entering(const std::vector<GroupId>& entering);
+  void fetch_ahead();
+  void stage_for_gather(GroupId group, const std::vector<GroupId>& entering);
+  bool stage_for_prefetch(GroupId group);
+  void make_staging_room(GroupId group, const std::vector<GroupId>& entering);
+  void drain_shards(bool wait_stores);
   bool keep_after_use(GroupId group) const;
   void drain(bool release_persistent);
   void finish_step();
@@ -226,11 +341,18 @@ class ParamCoordinator {
   void emit_gather(GroupId group, bool ahead_of_use);
   void emit_wait(GroupId group);
   void emit_release(GroupId group);
+  void emit_fetch(GroupId group, bool ahead);  // waits a write in flight first
+  void emit_shard_ready(GroupId group);
+  void emit_drop(GroupId group);
+  void emit_store(GroupId group);
+  void emit_shard_stored(GroupId group);
 
   const CoordinatorConfig config_;
   ParamGroupTable groups_;
+  ShardTierTable shards_;  // one entry per group, beside groups_
   std::vector<std::vector<GroupId>> modules_;
   PrefetchScheduler scheduler_;
+  FetchScheduler fetcher_;
   std::unordered_map<std::int64_t, TraceSlot> traces_;
 
   StepState step_ = StepState::kIdle;
@@ -240,10 +362,13 @@ class ParamCoordinator {
   bool step_departed_ = false;
   std::size_t position_ = 0;   // next trace use expected
   std::size_t frontier_ = 0;   // see prefetch.h
+  std::size_t fetch_frontier_ = 0;  // see FetchScheduler in shard_tiers.h
 
   Plan plan_;
   std::vector<PrefetchCandidate> candidates_;
   std::vector<std::pair<std::size_t, GroupId>> victims_;
+  std::vector<GroupId> fetches_;
+  std::vector<StagedVictim> staged_victims_;
   std::optional<TraceDeparture> notice_;
   CoordinatorStats stats_{};
 };
