@@ -209,11 +209,19 @@ class OffloadOptimizerConfig(_Section):
     pin_memory: bool = False  # page-locked master shards (on a GPU machine)
 
 
+class OffloadParamConfig(_Section):
+    # Stage 3: where each rank's parameter shards rest between uses; "cpu"
+    # copies a shard to the device just ahead of its all-gather.
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = False  # page-locked host shards (on a GPU machine)
+
+
 class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
     # Stage 3, in parameter elements (DeepSpeed's names and defaults).
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
@@ -226,10 +234,20 @@ class ZeroConfig(_Section):
     # per module call (and a host sync on GPU): for debugging a hang.
     stage3_rank_agreement_check: Literal["recording", "every_module"] = "recording"
 
-    @field_validator("offload_optimizer", mode="before")
+    @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
     def _null_offload(cls, v: Any) -> Any:
         return {} if v is None else v
+
+    @model_validator(mode="after")
+    def _param_offload_at_stage_3(self) -> ZeroConfig:
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.offload_param.device = {self.offload_param.device!r} needs "
+                f"zero_optimization.stage = 3, where parameters are sharded (it is {self.stage}); set "
+                "the stage to 3 or offload_param.device to 'none'"
+            )
+        return self
 
 
 class Config(_Section):

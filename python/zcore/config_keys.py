@@ -17,7 +17,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         _ANY,
         "saving comes with zcore's sharded checkpoints",
     ),
-    "zero_optimization.offload_param": (_ANY, "parameter offload comes with ZeRO stage 3"),
     "zero_optimization.sub_group_size": (_ANY, "optimizer sub-groups come with NVMe offload"),
     "zero_optimization.overlap_comm": (
         True,

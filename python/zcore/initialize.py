@@ -105,7 +105,7 @@ def initialize(
     if policies.stage.shards_parameters:
         zero = cfg.zero_optimization
         fetcher = ParamFetcher(
-            model, sharded_groups, hooked, coordinator_config(zero), context.world_size,
+            model, sharded_groups, hooked, coordinator_config(zero), context.world_size, policies.offload,
             check_every_module=zero.stage3_rank_agreement_check == "every_module",
         )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))

@@ -32,8 +32,10 @@ from zcore.external_params import ExternalParameters
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
 from zcore.module_calls import CallTracker, ModuleCall
 from zcore.plan_execution import PlanExecutor
+from zcore.policies import OffloadPolicy, Tier
 from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
 from zcore.saved_views import SavedViews, hooks_in_force
+from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
 from zcore.use_sites import ModelNames, UseSites
 
@@ -57,6 +59,10 @@ class GatherStats:
     trace_recordings: int
     live_elements: int
     peak_live_elements: int
+    shard_fetches: int  # offloaded shards copied to the device (parameter offload)
+    shard_fetches_ahead: int  # of those, started ahead of the use's plan
+    staged_bytes: int  # offloaded shards on the device now
+    peak_staged_bytes: int
     arena_capacity: int
     arena_fallbacks: int
     compactions: int
@@ -73,6 +79,7 @@ class ParamFetcher:
         modules: list[tuple[torch.nn.Module, list[int]]],
         config: _C.CoordinatorConfig,
         world_size: int,
+        offload: OffloadPolicy,
         check_every_module: bool = False,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
@@ -80,12 +87,19 @@ class ParamFetcher:
         parameters, so that a parameter it takes from a child has a
         module to be gathered for (note "external parameters").
         ``check_every_module``: ranks agree on every use, not only on the
-        uses no trace foresaw (config stage3_rank_agreement_check)."""
+        uses no trace foresaw (config stage3_rank_agreement_check).
+        ``offload.parameters``: the tier of every group's shard (persistent
+        groups stay on the device)."""
         self.groups = groups
         self.world_size = world_size
+        tier = _TIERS[offload.parameters]
+        config.staging_bytes = staging_bytes(groups, config, world_size) if tier != _C.ShardTier.DEVICE else 0
         self.coordinator = _C.ParamCoordinator(config)
         for g in groups:
-            self.coordinator.register_group(g.padded_numel, g.dtype.itemsize)
+            self.coordinator.register_group(
+                g.padded_numel, g.dtype.itemsize, shard_numel=g.shard_numel, tier=tier
+            )
+        self.store = ShardStore(groups, [self.coordinator.shard_tier(g.index) for g in groups], offload.pin_parameters)
         self.group_of_param = {id(p): g.index for g in groups for p in g.params}
         self._names = ModelNames(model, groups, self.group_of_param)
         self._sites = UseSites(self.coordinator, self._names)
@@ -96,7 +110,9 @@ class ParamFetcher:
         persistent = [self.coordinator.persistent(g.index) for g in groups]
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
-        self._plans = PlanExecutor(self.coordinator, groups, self.buffers, self._sites, world_size, check_every_module)
+        self._plans = PlanExecutor(
+            self.coordinator, groups, self.buffers, self.store, self._sites, world_size, check_every_module
+        )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)
         self._external = ExternalParameters(
@@ -268,6 +284,22 @@ class ParamFetcher:
                 return "code outside any module"
             module = self._sites.modules[call.index]
         return self._names.module(module)
+
+
+_TIERS = {Tier.DEVICE: _C.ShardTier.DEVICE, Tier.HOST: _C.ShardTier.HOST}
+
+
+def staging_bytes(groups: list[ShardedGroup], config: _C.CoordinatorConfig, world_size: int) -> int:
+    """Device bytes for shards copied ahead of their all-gathers: twice the
+    prefetch bucket's share of this rank (so that reads run ahead of the
+    all-gathers), and never less than the largest offloaded shard, so that
+    any model trains, whatever its largest layer."""
+    offloaded = [g for g in groups if g.padded_numel >= config.persistence_threshold]
+    if not offloaded:
+        return 0
+    itemsize = max(g.dtype.itemsize for g in offloaded)
+    largest = max(g.shard_numel * g.dtype.itemsize for g in offloaded)
+    return max(largest, 2 * config.prefetch_bucket_elements * itemsize // world_size)
 
 
 def coordinator_config(zero: Any) -> _C.CoordinatorConfig:

@@ -5,7 +5,9 @@ cpp/include/zcore/coordinator.h) answers each use site's entry and exit
 with a plan; ``PlanExecutor`` does what it says: one asynchronous
 all-gather of a group's shard into a buffer per GATHER, parameters pointed
 at views of the buffer at WAIT, pointed away and the buffer returned at
-RELEASE. An action it does not know is an error, never a guess.
+RELEASE; a shard resting off the device (zcore.shard_store) is copied to
+it at FETCH_SHARD, waited for at SHARD_READY and let go at DROP_SHARD. An
+action it does not know is an error, never a guess.
 
 The coordinator applies each action's transition when it issues the plan,
 so while a plan runs its states are already those after the plan. What has
@@ -24,6 +26,7 @@ from zcore import _C, comm
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import GatherBuffers
 from zcore.recording_checks import RankAgreement, signature
+from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
 from zcore.use_sites import UseSites
 
@@ -49,6 +52,7 @@ class PlanExecutor:
         coordinator: _C.ParamCoordinator,
         groups: list[ShardedGroup],
         buffers: GatherBuffers,
+        store: ShardStore,
         sites: UseSites,
         world_size: int,
         check_every_module: bool,
@@ -57,6 +61,7 @@ class PlanExecutor:
         uses no trace foresaw (config stage3_rank_agreement_check)."""
         self.coordinator = coordinator
         self.buffers = buffers
+        self._store = store
         self.world_size = world_size
         self._slots = [_GroupSlot(g) for g in groups]
         self._sites = sites
@@ -67,6 +72,9 @@ class PlanExecutor:
             _C.Action.GATHER: self._start_gather,
             _C.Action.WAIT: self._finish_gather,
             _C.Action.RELEASE: self._release,
+            _C.Action.FETCH_SHARD: store.fetch,
+            _C.Action.SHARD_READY: store.ready,
+            _C.Action.DROP_SHARD: store.drop,
         }
 
     def enter(self, site: int) -> None:
@@ -145,11 +153,12 @@ class PlanExecutor:
                 if other != group and self._slots[other].gather is None:
                     self._slots[other].group.point_params_at(self.buffers.current(other))
         slot = self._slots[group]
+        shard = self._store.source(group)
         if self.world_size == 1:
-            buf.copy_(slot.group.local_shard)
+            buf.copy_(shard)
             slot.gather = _InFlight(None)
         else:
-            slot.gather = _InFlight(comm.all_gather_into(buf, slot.group.local_shard, async_op=True))
+            slot.gather = _InFlight(comm.all_gather_into(buf, shard, async_op=True))
 
     def _compaction_is_safe(self) -> bool:
         """A running module may hold views of its groups' buffers in local

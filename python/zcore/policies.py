@@ -63,10 +63,13 @@ class StagePolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Where the fp32 master shards and the optimizer's states live."""
+    """Where the fp32 master shards and the optimizer's states live, and
+    (stage 3) where each rank's parameter shards rest between uses."""
 
     optimizer: Tier
-    pin_memory: bool  # host buffers page-locked (only where CUDA is available)
+    pin_memory: bool  # optimizer's host buffers page-locked (only where CUDA is available)
+    parameters: Tier = Tier.DEVICE
+    pin_parameters: bool = False  # parameter shards on the host page-locked (CUDA only)
 
     def master_device(self, compute: torch.device) -> torch.device:
         return torch.device("cpu") if self.optimizer is Tier.HOST else compute
@@ -81,13 +84,15 @@ class Policies:
 def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
     zero = cfg.zero_optimization
     optimizer = Tier(zero.offload_optimizer.device)
+    parameters = Tier(zero.offload_param.device)
+    # torch can pin host memory only where CUDA is available.
+    cuda = context.device.type == "cuda"
     return Policies(
         stage=StagePolicy(zero.stage, context.world_size, context.rank),
         offload=OffloadPolicy(
             optimizer=optimizer,
-            # torch can pin host memory only where CUDA is available.
-            pin_memory=optimizer is Tier.HOST
-            and zero.offload_optimizer.pin_memory
-            and context.device.type == "cuda",
+            pin_memory=optimizer is Tier.HOST and zero.offload_optimizer.pin_memory and cuda,
+            parameters=parameters,
+            pin_parameters=parameters is Tier.HOST and zero.offload_param.pin_memory and cuda,
         ),
     )

@@ -56,12 +56,16 @@ class ShardedGroup:
             self.offsets, self.numels, self.shard_start, self.shard_start + self.shard_numel
         )
         dtype = params[0].dtype
+        self._device = device
+        # This rank's shard; on the compute device unless zcore.shard_store
+        # moved it to host memory (parameter offload).
         self.local_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:
-        return self.local_shard.device
+        """The compute device, where the gathered parameters live."""
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -88,6 +88,23 @@ def test_resumes_with_another_stage_and_offload(tmp_path: Path) -> None:
     assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "stage 3 offload -> stage 2")
 
 
+def test_resumes_with_parameters_offloaded_and_back(tmp_path: Path) -> None:
+    """Stage 3 with parameter shards on the host (frozen ones too, on the model
+    with a frozen submodule) saves what the device-only run would, and loads
+    into either setting at another world size."""
+    host = {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"}}
+    on_host = config(3, offload=True, zero=host)
+    on_device = config(3, zero={"stage3_param_persistence_threshold": 0})
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_ranks(uninterrupted, 2, "mix", on_host, ckpt)[0]
+    got = run_ranks(resumed, 3, "mix", on_device, ckpt)
+    assert_same_losses(got[0]["losses"], ref[SAVE_AT:], "parameters on host -> on device, 2 -> 3 ranks")
+    ckpt2 = str(tmp_path / "ckpt2")
+    ref2 = run_ranks(uninterrupted, 2, "mix", on_device, ckpt2)[0]
+    got2 = run_ranks(resumed, 1, "mix", on_host, ckpt2)
+    assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "parameters on device -> on host, 2 -> 1 rank")
+
+
 def state_at_save_and_load(rank: int, world: int, save_cfg: dict, load_cfg: dict, ckpt: str, phase: str) -> dict:
     """Phase "save": trains the NormMLP (buffers, frozen layer) 3 steps,
     saves, returns the full state. Phase "load": returns the full state

@@ -89,7 +89,8 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
         ({"zero_optimization": {"overlap_comm": False}}, r"'zero_optimization.overlap_comm' = False.*always overlaps"),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage"),
         ({"zero_optimization": {"stage3_max_live_parameters": -1}}, r"stage3_max_live_parameters"),
-        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param.device = 'cpu' needs zero_optimization.stage = 3"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload_param.device"),
     ],
 )
 def test_bad_keys_are_named(config, match):

@@ -67,6 +67,7 @@ BASE = {
         "reduce_bucket_size": 5e8,
         "allgather_bucket_size": 500000000,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
         "stage3_prefetch_bucket_size": 5e7,
         "stage3_max_live_parameters": 1e9,
         "stage3_max_reuse_distance": 1e9,
@@ -90,7 +91,7 @@ BASE = {
 #   2. an int for a float key: the float of the same value (exactly);
 #   3. betas: a JSON list of two numbers, a tuple of floats;
 #   4. optimizer.type: "adam"/"adamw" in any case, the canonical name;
-#   5. zero_optimization.offload_optimizer: null, no offload (all defaults);
+#   5. zero_optimization.offload_optimizer or offload_param: null, no offload (all defaults);
 #   6. a DeepSpeed key at DeepSpeed's default: accepted and dropped (GONE).
 # "auto" is accepted as itself where the key allows it.
 REFUSED = object()
@@ -218,6 +219,7 @@ SCHEMA = Section({
         "reduce_bucket_size": integer(1),
         "allgather_bucket_size": integer(1),
         "offload_optimizer": Section({"device": one_of("none", "cpu"), "pin_memory": boolean}, null="defaults"),
+        "offload_param": Section({"device": one_of("none", "cpu"), "pin_memory": boolean}, null="defaults"),
         "stage3_prefetch_bucket_size": integer(0),
         "stage3_max_live_parameters": integer(0),
         "stage3_max_reuse_distance": integer(0),
@@ -243,7 +245,13 @@ def expected_config(raw: Any) -> Any:
     if expected is REFUSED:
         return REFUSED
     enabled = [isinstance(expected.get(s), dict) and expected[s].get("enabled") is True for s in ("bf16", "fp16")]
-    return REFUSED if all(enabled) else expected  # at most one of bf16 and fp16
+    if all(enabled):
+        return REFUSED  # at most one of bf16 and fp16
+    zero = expected.get("zero_optimization")
+    if isinstance(zero, dict) and isinstance(zero.get("offload_param"), dict):
+        if zero["offload_param"].get("device", "none") != "none" and zero.get("stage", 0) != 3:
+            return REFUSED  # parameters are sharded, so offloaded, only at stage 3
+    return expected
 
 
 def assert_holds(expected: Any, parsed: Any, where: str = "config") -> None:
