@@ -34,7 +34,8 @@ class ShardStore:
         self._offloaded = [t != _C.ShardTier.DEVICE for t in tiers]
         for g, tier in zip(groups, tiers):
             if tier == _C.ShardTier.HOST:
-                g.local_shard = g.local_shard.pin_memory() if pin else g.local_shard.to("cpu")
+                host = g.local_shard.to("cpu")
+                g.local_shard = host.pin_memory() if pin else host
             elif tier != _C.ShardTier.DEVICE:
                 raise InvalidStateError(f"group {g.index} is on tier {tier}, which this store cannot hold yet")
         self._staged: dict[int, torch.Tensor] = {}  # group -> its shard on the compute device
