@@ -11,7 +11,7 @@ after a step."""
 import pytest
 
 from distributed import run_ranks
-from training import assert_matches, relative_error, train_reference, train_zcore, zcore_config
+from training import assert_variants_match, train_zcore, zcore_config
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -42,15 +42,8 @@ def run_variants(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_parameters_on_the_host_match_single_process(world):
     results = run_ranks(run_variants, world, launcher=world > 1, timeout=600)
-    for label, model, gas, clip, offload, _ in VARIANTS:
-        got = results[0][label]
-        ref = train_reference(model, clip, STEPS, world, gas, batch=BATCH)
-        tag = f"{label} world {world}"
-        assert got["global_steps"] == STEPS and got["skipped_steps"] == 0, tag
-        assert_matches(got, ref, TOLERANCE, tag, 3e-5 if world == 3 else TOLERANCE)
-        for other in results[1:]:
-            for name, value in other[label]["params"].items():
-                assert relative_error(value, got["params"][name]) == 0.0, tag
+    # World 3's looser parameter bound: the reduction order (see test_zero3.param_tolerance).
+    assert_variants_match(results, VARIANTS, world, STEPS, BATCH, TOLERANCE, 3e-5 if world == 3 else TOLERANCE)
     for rank_results in results:
         for label in ("params on host", "params and optimizer on host", "tight, accumulate+clip", "mixed use"):
             s = rank_results[label]["gather_stats"]

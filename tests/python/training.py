@@ -159,3 +159,23 @@ def assert_matches(
     for name, value in got["params"].items():
         err = relative_error(value, ref["params"][name])
         assert err <= param_tolerance, f"{label}: parameter {name} off by {err:.2e}"
+
+
+def assert_variants_match(
+    results: list[dict], variants: list[tuple], world: int, steps: int, batch: int,
+    tolerance: float, param_tolerance: float,
+) -> None:
+    """``results[rank][label]`` from train_zcore for each variant (label,
+    model, accumulation, clipping, optimizer on the host, ...): rank 0's
+    losses and parameters against the single-process reference, and every
+    rank's final parameters identical to rank 0's."""
+    for label, model, gas, clip, offload, *_ in variants:
+        got = results[0][label]
+        ref = train_reference(model, clip, steps, world, gas, batch=batch)
+        tag = f"{label} world {world}"
+        assert got["global_steps"] == steps and got["skipped_steps"] == 0, tag
+        assert got["update"] == ("FusedCpuUpdate" if offload else "TorchUpdate"), tag
+        assert_matches(got, ref, tolerance, tag, param_tolerance)
+        for other in results[1:]:
+            for name, value in other[label]["params"].items():
+                assert relative_error(value, got["params"][name]) == 0.0, tag
