@@ -24,7 +24,9 @@ def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str
     if engine.policies.stage.shards_parameters:
         flats += [(g, g.local_shard) for g in engine.residency.groups if not g.trainable]
     for unit, shard in flats:
-        full = _gather(shard, unit.padded_numel, rank)
+        # Offloaded shards (master, parameters) rest on the host; the
+        # collective's backend (NCCL on a GPU) needs them on the device.
+        full = _gather(shard.to(engine.context.device), unit.padded_numel, rank)
         if rank == 0:
             for i, p in enumerate(unit.params):
                 values[layout.names[id(p)]] = unit.param_slice(full, i).view(unit.shapes[i]).cpu().clone()
