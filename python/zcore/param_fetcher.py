@@ -99,7 +99,8 @@ class ParamFetcher:
             self.coordinator.register_group(
                 g.padded_numel, g.dtype.itemsize, shard_numel=g.shard_numel, tier=tier
             )
-        self.store = ShardStore(groups, [self.coordinator.shard_tier(g.index) for g in groups], offload.pin_parameters)
+        tiers = [self.coordinator.shard_tier(g.index) for g in groups]
+        self._store = ShardStore(groups, tiers, offload.pin_parameters)
         self.group_of_param = {id(p): g.index for g in groups for p in g.params}
         self._names = ModelNames(model, groups, self.group_of_param)
         self._sites = UseSites(self.coordinator, self._names)
@@ -111,7 +112,7 @@ class ParamFetcher:
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
         self._plans = PlanExecutor(
-            self.coordinator, groups, self.buffers, self.store, self._sites, world_size, check_every_module
+            self.coordinator, groups, self.buffers, self._store, self._sites, world_size, check_every_module
         )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)

@@ -44,9 +44,6 @@ class ShardStore:
         cuda = next((d for d in devices if d.type == "cuda"), None)
         self._stream = torch.cuda.Stream(cuda) if cuda is not None and any(self._offloaded) else None
 
-    def offloaded(self, group: int) -> bool:
-        return self._offloaded[group]
-
     def source(self, group: int) -> torch.Tensor:
         """The shard an all-gather of ``group`` reads now."""
         if not self._offloaded[group]:
