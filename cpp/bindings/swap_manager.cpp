@@ -19,6 +19,8 @@ void bind_swap_manager(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("directory", &SwapConfig::directory)
       .def_readwrite("rank", &SwapConfig::rank)
+      .def_readwrite("name", &SwapConfig::name,
+                     "Purpose tag in the swap file's name ([A-Za-z0-9_], may be empty).")
       .def_readwrite("capacity", &SwapConfig::capacity)
       .def_readwrite("io", &SwapConfig::io);
 
@@ -32,7 +34,8 @@ void bind_swap_manager(py::module_& m) {
       .def_readonly("largest_free", &SwapStats::largest_free)
       .def_readonly("entries", &SwapStats::entries)
       .def_readonly("bytes_swapped_out", &SwapStats::bytes_swapped_out)
-      .def_readonly("bytes_swapped_in", &SwapStats::bytes_swapped_in);
+      .def_readonly("bytes_swapped_in", &SwapStats::bytes_swapped_in)
+      .def_readonly("leftover_bytes_removed", &SwapStats::leftover_bytes_removed);
 
   py::class_<SwapManager>(m, "SwapManager", "Swap file of one rank: extents and async I/O by id.")
       .def(py::init<const SwapConfig&>(), py::arg("config"),
@@ -63,6 +66,8 @@ void bind_swap_manager(py::module_& m) {
       .def("ids", &SwapManager::ids)
       .def("stats", &SwapManager::stats)
       .def_property_readonly("path", &SwapManager::path)
+      .def_property_readonly("leftovers_removed", &SwapManager::leftovers_removed,
+                             "Leftover swap files of dead processes removed by the constructor.")
       .def_property_readonly("backend", [](const SwapManager& s) { return s.engine().backend(); })
       .def("close", &SwapManager::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,12 +1,19 @@
 #include "zcore/swap_manager.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <exception>
+#include <random>
 #include <utility>
 
 #include "zcore/status.h"
@@ -38,10 +45,53 @@ Error directory_error(const std::string& what, const std::string& path, int err)
                {{"path", path}, {"errno", std::int64_t{err}}});
 }
 
-// Checks the directory and the free space, then creates the (empty) swap
-// file; returns its path. Runs before any training step, so a bad directory
-// is reported at start-up rather than at the first swap.
-std::string create_swap_file(const SwapConfig& c) {
+// Letters, digits and '_': what a swap name may hold ('-' separates the parts
+// of a file name).
+bool is_word_char(char ch) {
+  return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_';
+}
+
+constexpr std::size_t kMaxNameLength = 64;
+constexpr std::size_t kMaxHostLength = 32;
+constexpr int kCreateAttempts = 8;
+const std::string kPrefix = "zcore-swap-";
+const std::string kSuffix = ".swp";
+
+bool is_swap_file_name(const std::string& name) {
+  return name.size() >= kPrefix.size() + kSuffix.size() && name.compare(0, kPrefix.size(), kPrefix) == 0 &&
+         name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0;
+}
+
+bool same_file(const struct stat& a, const struct stat& b) {
+  return a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+// The host name as a file-name part: [A-Za-z0-9_-], at most kMaxHostLength.
+std::string host_tag() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) buf[0] = '\0';
+  std::string out;
+  for (const char* p = buf; *p != '\0' && out.size() < kMaxHostLength; ++p) {
+    out += is_word_char(*p) || *p == '-' ? *p : '_';
+  }
+  return out.empty() ? "unknown" : out;
+}
+
+std::uint64_t random_64() {
+  try {
+    std::random_device device;
+    return (std::uint64_t{device()} << 32) ^ device();
+  } catch (const std::exception&) {
+    // No entropy source: the names stay unique by O_EXCL, only retries get likelier.
+    static std::atomic<std::uint64_t> counter{0};
+    return static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+           (counter.fetch_add(1) << 40) ^ static_cast<std::uint64_t>(::getpid());
+  }
+}
+
+// Checks the arguments and that the directory exists, before any file is
+// touched, so a bad setting is reported at start-up rather than at the first swap.
+SwapConfig checked(const SwapConfig& c) {
   if (c.directory.empty() || c.capacity <= 0 || c.rank < 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "a swap manager needs a directory, capacity > 0 and rank >= 0; got directory='" +
@@ -49,25 +99,129 @@ std::string create_swap_file(const SwapConfig& c) {
                     ", rank=" + std::to_string(c.rank),
                 {{"path", c.directory}, {"capacity", c.capacity}});
   }
+  if (c.name.size() > kMaxNameLength ||
+      !std::all_of(c.name.begin(), c.name.end(), [](char ch) { return is_word_char(ch); })) {
+    throw Error(StatusCode::kInvalidArgument,
+                "swap name '" + c.name + "' is not usable in a file name; give at most " +
+                    std::to_string(kMaxNameLength) + " letters, digits and '_' (like \"optimizer\")",
+                {{"name", c.name}});
+  }
   struct stat st {};
   if (::stat(c.directory.c_str(), &st) != 0) throw directory_error("cannot access", c.directory, errno);
   if (!S_ISDIR(st.st_mode)) throw directory_error("not a directory:", c.directory, ENOTDIR);
+  return c;
+}
 
-  const std::string path = c.directory + "/zcore-swap-rank" + std::to_string(c.rank) + "-pid" +
-                           std::to_string(::getpid()) + ".swp";
-  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
-  if (fd < 0) throw directory_error("cannot create the swap file", path, errno);
-  ::close(fd);
+struct Leftovers {
+  std::vector<std::string> paths;
+  std::uint64_t bytes = 0;
+};
 
+// Removes `path` when it is a regular file whose lock nobody holds (note "swap
+// file ownership"); returns its size, or -1 when it is left alone.
+std::int64_t remove_if_abandoned(const std::string& path) {
+  struct stat named {};
+  if (::lstat(path.c_str(), &named) != 0 || !S_ISREG(named.st_mode)) return -1;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return -1;
+  std::int64_t removed = -1;
+  struct stat locked {};
+  // EWOULDBLOCK: a live manager's. Any other failure: left alone too.
+  if (::fstat(fd, &locked) == 0 && S_ISREG(locked.st_mode) && same_file(locked, named) &&
+      ::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    // Another sweep may have removed it between the open and the lock, and a
+    // file moved to this path since is not the one locked.
+    struct stat now {};
+    if (::fstat(fd, &locked) == 0 && locked.st_nlink > 0 && ::lstat(path.c_str(), &now) == 0 &&
+        same_file(now, locked) && ::unlink(path.c_str()) == 0) {
+      removed = static_cast<std::int64_t>(locked.st_size);
+    }
+  }
+  ::close(fd);  // releases the lock, after the unlink
+  return removed;
+}
+
+// Removes the leftover swap files of dead processes from `directory`. A
+// directory that cannot be listed is not swept (creating the file still works).
+Leftovers remove_leftovers(const std::string& directory) {
+  Leftovers out;
+  DIR* dir = ::opendir(directory.c_str());
+  if (dir == nullptr) return out;
+  std::vector<std::string> candidates;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (is_swap_file_name(name)) candidates.push_back(directory + "/" + name);
+  }
+  ::closedir(dir);
+  for (const std::string& path : candidates) {
+    const std::int64_t bytes = remove_if_abandoned(path);
+    if (bytes < 0) continue;
+    out.paths.push_back(path);
+    out.bytes += static_cast<std::uint64_t>(bytes);
+  }
+  return out;
+}
+
+struct OwnedFile {
+  std::string path;
+  int fd;  // flock(LOCK_EX) held
+  struct stat st;
+};
+
+Error lock_error(const std::string& path, int err) {
+  return Error(StatusCode::kIoError,
+               "swap directory unusable: cannot lock the swap file " + path + ": " +
+                   std::strerror(err) + " (errno " + std::to_string(err) +
+                   "); the lock tells other jobs sharing the directory that the file is in use. "
+                   "Use a filesystem with flock (NFS with its lock manager, Lustre mounted with "
+                   "-o flock) or a directory on a local disk",
+               {{"path", path}, {"errno", std::int64_t{err}}});
+}
+
+// Creates the swap file under a new name and locks it (note "swap file ownership").
+OwnedFile create_owned_file(const SwapConfig& c) {
+  const std::string stem = c.directory + "/" + kPrefix + (c.name.empty() ? "" : c.name + "-") +
+                           "rank" + std::to_string(c.rank) + "-" + host_tag() + "-" +
+                           std::to_string(::getpid()) + "-";
+  std::string path;
+  int err = 0;
+  for (int attempt = 0; attempt < kCreateAttempts; ++attempt) {
+    path = stem + hex(random_64()) + kSuffix;
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      err = errno;
+      if (err == EEXIST) continue;
+      throw directory_error("cannot create the swap file", path, err);
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      err = errno;
+      ::close(fd);
+      if (err == EWOULDBLOCK) continue;  // a sweep took it for a leftover and removes it
+      ::unlink(path.c_str());
+      throw lock_error(path, err);
+    }
+    // Until the lock, a sweep may have taken the new file for a leftover and removed it.
+    struct stat opened {}, named {};
+    if (::fstat(fd, &opened) == 0 && opened.st_nlink > 0 && ::lstat(path.c_str(), &named) == 0 &&
+        same_file(opened, named)) {
+      return {path, fd, opened};
+    }
+    err = ENOENT;
+    ::close(fd);
+  }
+  throw directory_error("cannot create a swap file under a new name in " +
+                            std::to_string(kCreateAttempts) + " attempts, the last",
+                        path, err);
+}
+
+// Runs after the leftovers are removed, so their space counts as free.
+void check_free_space(const SwapConfig& c) {
   struct statvfs fs {};
   if (::statvfs(c.directory.c_str(), &fs) != 0) {
-    const int err = errno;
-    ::unlink(path.c_str());
-    throw directory_error("cannot query free space of", c.directory, err);
+    throw directory_error("cannot query free space of", c.directory, errno);
   }
   const auto available = static_cast<std::int64_t>(fs.f_bavail * fs.f_frsize);
   if (available < c.capacity) {
-    ::unlink(path.c_str());
     throw Error(StatusCode::kNoSpace,
                 "swap directory " + c.directory + " has " + std::to_string(available) +
                     " bytes free but rank " + std::to_string(c.rank) + " plans to swap " +
@@ -75,7 +229,6 @@ std::string create_swap_file(const SwapConfig& c) {
                     " bytes; free space there, choose another directory or swap less",
                 {{"path", c.directory}, {"required", c.capacity}, {"available", available}});
   }
-  return path;
 }
 
 AioConfig engine_config(const SwapConfig& c) {
@@ -96,21 +249,23 @@ const char* swap_state_name(SwapState state) {
 }
 
 SwapManager::SwapManager(const SwapConfig& config)
-    : config_(config),
-      path_(create_swap_file(config)),
-      extents_(round_up(config.capacity)) {
-  struct stat st {};
-  if (::stat(path_.c_str(), &st) != 0) {
-    const int err = errno;
-    ::unlink(path_.c_str());
-    throw directory_error("cannot stat the swap file", path_, err);
-  }
-  device_ = st.st_dev;
-  inode_ = st.st_ino;
+    : config_(checked(config)), extents_(round_up(config.capacity)) {
+  Leftovers leftovers = remove_leftovers(config_.directory);
+  leftovers_ = std::move(leftovers.paths);
+  leftover_bytes_ = leftovers.bytes;
+  OwnedFile file = create_owned_file(config_);
+  path_ = std::move(file.path);
+  lock_fd_ = file.fd;
+  // The open descriptor also keeps the inode number from being reused by a
+  // new file at this path while the manager lives, which check_file() relies on.
+  device_ = file.st.st_dev;
+  inode_ = file.st.st_ino;
   try {
-    engine_ = AioEngine::create(engine_config(config));
+    check_free_space(config_);
+    engine_ = AioEngine::create(engine_config(config_));
   } catch (...) {
     ::unlink(path_.c_str());
+    ::close(lock_fd_);
     throw;
   }
 }
@@ -377,7 +532,7 @@ std::vector<SwapId> SwapManager::ids() const {
 SwapStats SwapManager::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const AllocatorStats a = extents_.stats();
-  return {a.capacity, a.used, a.largest_free, entries_.size(), bytes_out_, bytes_in_};
+  return {a.capacity, a.used, a.largest_free, entries_.size(), bytes_out_, bytes_in_, leftover_bytes_};
 }
 
 void SwapManager::close() {
@@ -390,6 +545,9 @@ void SwapManager::close() {
   struct stat st {};
   // A file that replaced ours at this path is someone else's.
   if (::stat(path_.c_str(), &st) == 0 && st.st_dev == device_ && st.st_ino == inode_) ::unlink(path_.c_str());
+  // After the unlink: a sweep that locks the file from now on finds it gone.
+  ::close(lock_fd_);
+  lock_fd_ = -1;
 }
 
 }  // namespace zcore

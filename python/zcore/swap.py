@@ -1,13 +1,13 @@
 """Swapping tensors out to NVMe and back, by key.
 
-The native swap manager owns the swap file of this rank (one per rank under
-``directory``), the extent of each key inside it, and the asynchronous I/O;
-this module holds the tensors. Keys are integers chosen by the caller.
+The native swap manager owns one swap file under ``directory``, the extent of
+each key inside it, and the asynchronous I/O; this module holds the tensors.
+Keys are integers chosen by the caller.
 
 Pipelined use (at most three tensors in host memory: the one in use, the
 next one being read, the previous one being written)::
 
-    with zcore.swap.SwapManager(directory, capacity=8 << 30) as swap:
+    with zcore.swap.SwapManager(directory, capacity=8 << 30, name="optimizer") as swap:
         for key, tensor in swap.stream(keys):   # tensors swapped out before
             update(tensor)                      # written back after the step
 
@@ -15,10 +15,23 @@ Swapped-in CPU tensors live in buffers of a host pool bounded by
 ``host_budget`` (aligned, so their I/O takes the O_DIRECT path without
 bounce copies); CUDA tensors are staged through the same pool.
 
+Every rank of every job may be given the same ``directory`` (also over a
+shared filesystem), and one process may hold several managers there: each
+has its own file, ``zcore-swap-<name>-rank<R>-<host>-<pid>-<random>.swp``,
+locked (``flock``) while the manager lives. The constructor removes the
+leftovers of killed runs, swap files whose lock nobody holds, logs one warning
+on the ``zcore`` logger saying how many files and bytes it removed
+(``leftovers_removed`` lists them), and leaves live managers' files, symlinks,
+directories and other names alone. A directory shared between hosts needs a
+filesystem whose locks all hosts see (NFS with its lock manager, Lustre with
+``-o flock``); a filesystem that refuses ``flock`` is a
+:class:`zcore.DiskIOError`.
+
 The constructor refuses, before any training, a directory it cannot write
 (:class:`zcore.DiskIOError`) or one whose filesystem has less than
-``capacity`` bytes free (:class:`zcore.DiskFullError`). ``close()`` (or
-leaving the ``with`` block) removes the swap file.
+``capacity`` bytes free once leftovers are removed
+(:class:`zcore.DiskFullError`). ``close()`` (or leaving the ``with`` block)
+removes the swap file.
 
 The swap file is checked to be the one created (device and inode) before
 each I/O and after it: if it was deleted (a tmp cleaner) or replaced,
@@ -32,7 +45,9 @@ writer, a disk returning other data) fail the swap-in's ``wait`` with
 
 from __future__ import annotations
 
+import logging
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +68,8 @@ from zcore._staging import (
 from zcore.errors import InvalidArgumentError
 from zcore.host_memory import LockMode
 
+log = logging.getLogger("zcore")
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -72,6 +89,17 @@ class _InFlight:
     finish: Callable[[], None] | None
 
 
+def _log_leftovers(native: _C.SwapManager, directory: str) -> None:
+    removed = native.leftovers_removed
+    if removed:
+        log.warning(
+            "removed %d leftover swap file(s) of killed runs (%d bytes) from %s",
+            len(removed),
+            native.stats().leftover_bytes_removed,
+            directory,
+        )
+
+
 def _default_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
@@ -79,7 +107,11 @@ def _default_rank() -> int:
 
 
 class SwapManager:
-    """Swap space of ``capacity`` bytes for this rank under ``directory``."""
+    """Swap space of ``capacity`` bytes for this rank under ``directory``.
+
+    ``name`` ([A-Za-z0-9_], may be empty) goes into the file name to say what
+    the file holds (``"params"``, ``"optimizer"``).
+    """
 
     def __init__(
         self,
@@ -87,6 +119,7 @@ class SwapManager:
         capacity: int,
         *,
         rank: int | None = None,
+        name: str = "",
         host_budget: int = 1 << 30,
         block_size: int = 1 << 20,
         queue_depth: int = 32,
@@ -98,18 +131,28 @@ class SwapManager:
         config.directory = os.fspath(directory)
         config.rank = _default_rank() if rank is None else rank
         config.capacity = capacity
+        config.name = name
         config.io = io_config(
             block_size=block_size, queue_depth=queue_depth, threads=threads, backend=backend
         )
         self._pool = make_pool(host_budget, lock)
         self._native = _C.SwapManager(config)
+        # Closed (the swap file removed) by close(), when collected, or at
+        # interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, self._native.close)
         self._layouts: dict[int, _Layout] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        _log_leftovers(self._native, config.directory)
 
     @property
     def path(self) -> str:
-        """The swap file of this rank."""
+        """The swap file of this manager."""
         return self._native.path
+
+    @property
+    def leftovers_removed(self) -> list[str]:
+        """Swap files of dead processes that the constructor removed."""
+        return self._native.leftovers_removed
 
     @property
     def backend(self) -> str:
@@ -214,13 +257,22 @@ class SwapManager:
         self._native.release(key)
         self._layouts.pop(key, None)
 
-    def stream(self, keys: Iterable[int], *, write_back: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    def stream(
+        self,
+        keys: Iterable[int],
+        *,
+        write_back: bool = True,
+        read_ahead: bool = True,
+        write_behind: bool = True,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields ``(key, tensor)`` for each key in order, swapped in.
 
-        The next key is read while the caller uses the current one; with
+        With ``read_ahead`` the next key is read while the caller uses the
+        current one (else once the caller is done with it). With
         ``write_back`` each tensor is swapped out again once the caller moves
-        on, and the write of the one before is waited for then, so at most
-        three tensors are in host memory.
+        on; with ``write_behind`` that write is waited for only after the
+        next key has been used (else at once). At most three tensors are in
+        host memory: one more than the one in use for each overlap.
         """
         order = list(keys)
         if not order:
@@ -228,22 +280,27 @@ class SwapManager:
         incoming = {order[0]: self.swap_in(order[0])}
         try:
             for i, key in enumerate(order):
-                if i + 1 < len(order):
-                    incoming[order[i + 1]] = self.swap_in(order[i + 1])
+                following = order[i + 1] if i + 1 < len(order) else None
+                if read_ahead and following is not None:
+                    incoming[following] = self.swap_in(following)
                 self.wait(key)
                 tensor = incoming.pop(key)
                 yield key, tensor
                 if write_back:
                     self.swap_out(key, tensor)
-                    if i > 0:
+                    if not write_behind:
+                        self.wait(key)
+                    elif i > 0:
                         self.wait(order[i - 1])
                 del tensor
+                if not read_ahead and following is not None:
+                    incoming[following] = self.swap_in(following)
         finally:
             self.wait_all()
 
     def close(self) -> None:
         """Waits for pending I/O and removes the swap file."""
-        self._native.close()
+        self._finalizer()
         self._in_flight.clear()
         self._layouts.clear()
 
@@ -252,12 +309,6 @@ class SwapManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        # The native close waits for I/O still using the referenced tensors.
-        native = getattr(self, "_native", None)
-        if native is not None:
-            native.close()
 
     def _new_tensor(self, layout: _Layout) -> torch.Tensor:
         if layout.device.type == "cuda":

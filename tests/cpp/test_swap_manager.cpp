@@ -1,16 +1,24 @@
 // The swap manager: round trips through the swap file, its extent allocation
 // (placement, reuse of freed extents, coalescing, a full swap space), the
-// per-id state machine and the directory checks made before training.
+// per-id state machine, the directory checks made before training, and
+// sharing a directory (unique files, the ownership lock, removal of leftovers).
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
+#include <regex>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -44,6 +52,21 @@ class SwapTest : public ::testing::Test {
     c.io.block_size = 64 << 10;
     c.io.queue_depth = 8;
     return c;
+  }
+
+  SwapConfig named(const std::string& name) const {
+    SwapConfig c = config(1 << 20);
+    c.name = name;
+    return c;
+  }
+
+  // A file of `bytes` bytes in the scratch directory; returns its path.
+  std::string write_file(const std::string& name, std::size_t bytes) const {
+    const std::string path = (dir_ / name).string();
+    std::ofstream f(path, std::ios::binary);
+    const std::vector<char> content(bytes, 3);
+    f.write(content.data(), static_cast<std::streamsize>(content.size()));
+    return path;
   }
 
   static std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
@@ -271,6 +294,196 @@ TEST_P(SwapFileLostTest, BytesChangedInPlaceAreCorruptedNamingTheExtent) {
 INSTANTIATE_TEST_SUITE_P(Backends, SwapFileLostTest,
                          ::testing::Values(IoBackend::kAuto, IoBackend::kThreadPool),
                          [](const auto& info) { return std::string(zcore::io_backend_name(info.param)); });
+
+// Note "swap file ownership" (zcore/swap_manager.h): every rank of every job
+// may share one directory; each manager has its own locked file, and removes
+// only the files whose lock nobody holds.
+
+TEST_F(SwapTest, ManagersOfOneRankShareADirectoryButNeverAFile) {
+  const std::regex format("zcore-swap-params-rank3-[A-Za-z0-9_-]{1,32}-" + std::to_string(::getpid()) +
+                          "-[0-9a-f]{16}\\.swp");
+  std::vector<std::unique_ptr<SwapManager>> managers;
+  for (const char* name : {"params", "optimizer", "params", ""}) {
+    managers.push_back(std::make_unique<SwapManager>(named(name)));
+  }
+  EXPECT_TRUE(std::regex_match(fs::path(managers[0]->path()).filename().string(), format))
+      << managers[0]->path();
+  EXPECT_NE(managers[1]->path().find("zcore-swap-optimizer-rank3-"), std::string::npos);
+  EXPECT_NE(managers[3]->path().find("zcore-swap-rank3-"), std::string::npos);
+  std::set<std::string> paths;
+  for (const auto& m : managers) paths.insert(m->path());
+  EXPECT_EQ(paths.size(), managers.size());
+  // Each file is live (locked), so no later constructor took one for a leftover.
+  std::vector<std::vector<unsigned char>> data;
+  for (std::size_t i = 0; i < managers.size(); ++i) {
+    EXPECT_TRUE(managers[i]->leftovers_removed().empty());
+    data.push_back(random_bytes(10000, static_cast<unsigned>(i)));
+    managers[i]->swap_out(1, data[i].data(), 10000);
+  }
+  for (std::size_t i = 0; i < managers.size(); ++i) {
+    managers[i]->wait(1);
+    std::vector<unsigned char> back(10000);
+    managers[i]->swap_in(1, back.data(), 10000);
+    managers[i]->wait(1);
+    EXPECT_EQ(back, data[i]) << managers[i]->path();
+  }
+}
+
+TEST_F(SwapTest, RefusesANameThatIsNotAFileNamePart) {
+  const std::vector<std::string> refused = {"a-b", "x/y", "..", "with space", "\xc3\xbc", std::string(65, 'a')};
+  for (const std::string& bad : refused) {
+    const Error e = error_of([&] { SwapManager swap(named(bad)); });
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(std::string(e.what()).find("swap name '" + bad + "'"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::is_empty(dir_));
+  SwapManager ok(named("Optimizer_2"));
+  EXPECT_NE(ok.path().find("zcore-swap-Optimizer_2-rank3-"), std::string::npos);
+}
+
+TEST_F(SwapTest, CloseRemovesTheFileAndReleasesItsLock) {
+  SwapManager swap(config(1 << 20));
+  const int fd = ::open(swap.path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), -1);  // held by the manager
+  EXPECT_EQ(errno, EWOULDBLOCK);
+  swap.close();
+  EXPECT_FALSE(fs::exists(swap.path()));
+  EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  ::close(fd);
+}
+
+TEST_F(SwapTest, UnlockedSwapFilesAreLeftoversRemovedAndReported) {
+  const std::string a = write_file("zcore-swap-rank0-otherhost-4242-00000000deadbeef.swp", 5000);
+  const std::string b = write_file("zcore-swap-rank1-pid999.swp", 0);  // the earlier naming
+  SwapManager swap(config(1 << 20));
+  EXPECT_EQ(std::set<std::string>(swap.leftovers_removed().begin(), swap.leftovers_removed().end()),
+            (std::set<std::string>{a, b}));
+  EXPECT_EQ(swap.stats().leftover_bytes_removed, 5000u);
+  EXPECT_FALSE(fs::exists(a));
+  EXPECT_FALSE(fs::exists(b));
+  SwapManager next(config(1 << 20));  // the live file of `swap` is no leftover
+  EXPECT_TRUE(next.leftovers_removed().empty());
+  EXPECT_EQ(next.stats().leftover_bytes_removed, 0u);
+  EXPECT_TRUE(fs::exists(swap.path()));
+}
+
+TEST_F(SwapTest, SwapFileWhoseLockIsHeldIsLeftAlone) {
+  const std::string held = write_file("zcore-swap-optimizer-rank0-otherhost-7-0123456789abcdef.swp", 4096);
+  const int fd = ::open(held.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);  // as a live manager of another job holds it
+  {
+    SwapManager swap(config(1 << 20));
+    EXPECT_TRUE(swap.leftovers_removed().empty());
+    EXPECT_TRUE(fs::exists(held));
+  }
+  ::close(fd);  // its owner died
+  SwapManager swap(config(1 << 20));
+  EXPECT_EQ(swap.leftovers_removed(), std::vector<std::string>{held});
+  EXPECT_EQ(swap.stats().leftover_bytes_removed, 4096u);
+}
+
+TEST_F(SwapTest, OnlyRegularFilesNamedLikeSwapFilesAreSwept) {
+  const std::vector<std::string> others = {
+      write_file("zcore-swap-rank0.swp.bak", 10), write_file("other-rank0.swp", 10),
+      write_file("notes.txt", 10), write_file("zcore-swap-rank0-h-1-0.swpx", 10)};
+  const std::string target = write_file("target.dat", 10);
+  const fs::path link = dir_ / "zcore-swap-link.swp";
+  fs::create_symlink(target, link);
+  const fs::path dangling = dir_ / "zcore-swap-dangling.swp";
+  fs::create_symlink(dir_ / "absent", dangling);
+  const fs::path directory = dir_ / "zcore-swap-dir.swp";
+  fs::create_directory(directory);
+  const std::string inside = write_file("zcore-swap-dir.swp/zcore-swap-rank0-h-1-0.swp", 10);
+  SwapManager swap(config(1 << 20));
+  EXPECT_TRUE(swap.leftovers_removed().empty());
+  for (const std::string& path : others) EXPECT_TRUE(fs::exists(path)) << path;
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(fs::is_symlink(dangling));
+  EXPECT_EQ(fs::file_size(target), 10u);
+  EXPECT_TRUE(fs::is_directory(directory));
+  EXPECT_TRUE(fs::exists(inside));  // only the directory given is swept
+}
+
+// Ranks starting together: each constructor sweeps while others create and
+// lock their files. A file swept between its creation and its lock makes its
+// creator take a new name, so every manager ends up with a file of its own.
+TEST_F(SwapTest, ConstructorsRacingInOneDirectoryEachKeepTheirFile) {
+  std::vector<std::thread> ranks;
+  std::vector<int> failures(4, 0);
+  for (int r = 0; r < 4; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto data = random_bytes(4096, static_cast<unsigned>(r));
+      std::vector<unsigned char> back(4096);
+      for (int i = 0; i < 25; ++i) {
+        try {
+          SwapConfig c = config(1 << 20);
+          c.rank = r;
+          c.io.backend = IoBackend::kThreadPool;
+          SwapManager swap(c);
+          swap.swap_out(1, data.data(), 4096);
+          swap.wait(1);
+          swap.swap_in(1, back.data(), 4096);
+          swap.wait(1);
+          if (back != data) ++failures[static_cast<std::size_t>(r)];
+        } catch (const Error&) {
+          ++failures[static_cast<std::size_t>(r)];
+        }
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(failures, std::vector<int>(4, 0));
+  EXPECT_TRUE(fs::is_empty(dir_));
+}
+
+// The real case: a process holding a manager dies by SIGKILL (no destructor,
+// no close()); its lock dies with it. While it lives, its file is left alone.
+TEST_F(SwapTest, SwapFileOfAKilledProcessIsRemovedByTheNextManager) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    try {
+      SwapConfig c = named("params");
+      c.rank = 0;
+      SwapManager swap(c);
+      const auto data = random_bytes(50000, 9);
+      swap.swap_out(1, data.data(), 50000);
+      swap.wait(1);
+      const std::string line = swap.path() + "\n";
+      if (::write(pipe_fds[1], line.data(), line.size()) != static_cast<ssize_t>(line.size())) ::_exit(2);
+      for (;;) ::pause();
+    } catch (...) {
+      ::_exit(1);
+    }
+  }
+  ::close(pipe_fds[1]);
+  std::string path;
+  char ch = 0;
+  while (::read(pipe_fds[0], &ch, 1) == 1 && ch != '\n') path += ch;
+  ::close(pipe_fds[0]);
+  ASSERT_FALSE(path.empty()) << "the child could not make its swap manager";
+  const auto bytes = fs::file_size(path);
+  EXPECT_GE(bytes, 50000u);
+  {
+    SwapManager swap(named("params"));
+    EXPECT_TRUE(swap.leftovers_removed().empty());
+    EXPECT_TRUE(fs::exists(path));
+  }
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  ASSERT_TRUE(fs::exists(path));  // nothing ran at its death
+  SwapManager swap(named("params"));
+  EXPECT_EQ(swap.leftovers_removed(), std::vector<std::string>{path});
+  EXPECT_EQ(swap.stats().leftover_bytes_removed, bytes);
+  EXPECT_FALSE(fs::exists(path));
+}
 
 TEST_F(SwapTest, RefusesAMissingDirectoryOrTooLittleFreeSpace) {
   SwapConfig missing = config(1 << 20);

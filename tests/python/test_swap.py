@@ -1,9 +1,11 @@
 """zcore.swap: tensors out to the swap file and back byte for byte, the
-pipelined stream, reuse of swap space, and the checks made before training."""
+pipelined stream, reuse of swap space, the checks made before training, and
+sharing a directory (one file per manager, leftovers of killed runs removed)."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -208,3 +210,65 @@ def test_bytes_changed_in_place_are_corrupted_not_returned(tmp_path: Path, backe
     swap.wait(1)
     assert torch.equal(back, original)
     swap.close()
+
+
+def test_managers_of_one_rank_have_distinct_files_by_name(tmp_path: Path) -> None:
+    names = ["params", "optimizer", "params", ""]
+    managers = [zcore.SwapManager(tmp_path, 1 << 20, rank=0, name=n) for n in names]
+    try:
+        assert len({m.path for m in managers}) == len(managers)
+        assert Path(managers[0].path).name.startswith("zcore-swap-params-rank0-")
+        assert Path(managers[1].path).name.startswith("zcore-swap-optimizer-rank0-")
+        assert Path(managers[3].path).name.startswith("zcore-swap-rank0-")
+        for i, m in enumerate(managers):
+            assert m.leftovers_removed == []
+            m.swap_out(0, torch.full((1000,), float(i)))
+        for i, m in enumerate(managers):
+            m.wait(0)
+            back = m.swap_in(0)
+            m.wait(0)
+            assert torch.equal(back, torch.full((1000,), float(i)))
+    finally:
+        for m in managers:
+            m.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_name_that_is_not_a_file_name_part(tmp_path: Path) -> None:
+    with pytest.raises(zcore.InvalidArgumentError, match="swap name 'opt-1'"):
+        zcore.SwapManager(tmp_path, 1 << 20, name="opt-1")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftover_of_a_killed_run_is_removed_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    leftover = tmp_path / "zcore-swap-optimizer-rank0-otherhost-4242-0123456789abcdef.swp"
+    leftover.write_bytes(b"\0" * 3000)
+    kept = tmp_path / "zcore-swap-notes.txt"
+    kept.write_text("not a swap file")
+    with caplog.at_level(logging.WARNING, logger="zcore"):
+        with zcore.SwapManager(tmp_path, 1 << 20, rank=0, name="optimizer") as swap:
+            assert swap.leftovers_removed == [str(leftover)]
+            assert swap.stats().leftover_bytes_removed == 3000
+            # The live file of `swap` is no leftover for the next manager.
+            with zcore.SwapManager(tmp_path, 1 << 20, rank=0, name="optimizer") as other:
+                assert other.leftovers_removed == []
+    assert not leftover.exists() and kept.exists()
+    records = [r for r in caplog.records if r.name == "zcore"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "removed 1 leftover" in message and "3000 bytes" in message and str(tmp_path) in message
+
+
+def test_space_of_removed_leftovers_counts_as_free(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A killed run's file filled most of the 2 MiB filesystem: the next run
+    removes it before checking for room, rather than refusing to start."""
+    leftover = small_fs / "zcore-swap-rank0-otherhost-4242-0123456789abcdef.swp"
+    leftover.write_bytes(b"\1" * (1536 << 10))
+    with caplog.at_level(logging.WARNING, logger="zcore"):
+        with zcore.SwapManager(small_fs, 1 << 20, rank=0) as swap:
+            assert swap.leftovers_removed == [str(leftover)]
+    assert "removed 1 leftover" in caplog.text

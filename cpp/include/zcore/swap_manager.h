@@ -1,7 +1,7 @@
 // Swap manager: where each swapped-out tensor lives on disk, and the I/O that
 // moves it out and back in.
 //
-// Each rank owns one swap file under a user-given directory, sized for the
+// Each manager owns one swap file under a user-given directory, sized for the
 // `capacity` bytes it plans to swap. Tensors are identified by a caller-chosen
 // id; each id owns an extent of the file (offset and size aligned to
 // kIoAlignment, so aligned buffers take the O_DIRECT path with no bounce).
@@ -14,11 +14,35 @@
 // works: start swapping in the next item while the current one is used, and
 // swap out the previous one.
 //
+// Sharing a directory (note "swap file ownership"). Every rank of every job
+// may be given the same directory, on one host or on several over a shared
+// filesystem, and one process may hold several managers there:
+//   - The file is zcore-swap-<name>-rank<R>-<host>-<pid>-<random>.swp, created
+//     with O_EXCL (a new random part on a collision), so no two managers ever
+//     share a file. `name` (optional) says what the file holds.
+//   - The manager holds flock(LOCK_EX) on the file from its creation until
+//     close(); the kernel drops it when the process dies, however it dies
+//     (over NFS, a host that died releases it once its lease expires).
+//   - The constructor first removes leftovers: files named zcore-swap-*.swp
+//     that nobody holds the lock of (their manager's process died). A file
+//     whose lock is held is a live manager's and is left alone, as are
+//     symlinks, directories and every other name. leftovers_removed() lists
+//     what was removed; stats().leftover_bytes_removed counts the bytes.
+//   - A file is created, then locked, then checked to be still there: a
+//     constructor sweeping in between (it saw an unlocked file) makes this one
+//     try a new name rather than use a removed file.
+// Locks across hosts need a filesystem that shares them (NFS with its lock
+// manager, Lustre mounted with -o flock): where locks are host-local,
+// give each host its own directory. A filesystem that refuses flock (ENOLCK,
+// ENOSYS, EOPNOTSUPP) is kIoError at construction: without the lock, another
+// manager's sweep could take this live file for a leftover.
+//
 // The constructor checks the directory before training starts: it must exist,
 // accept a new file (kIoError naming the path and errno otherwise: EACCES,
-// EROFS, ...), and its filesystem must have `capacity` bytes free (kNoSpace
-// with `required` and `available`). close() (or the destructor) waits for
-// pending I/O and removes the swap file.
+// EROFS, ...), and its filesystem must have `capacity` bytes free once the
+// leftovers are removed (kNoSpace with `required` and `available`). close()
+// (or the destructor) waits for pending I/O, removes the swap file and
+// releases the lock.
 //
 // The swap file is checked to be the one created (device and inode) before
 // every I/O is submitted and again when it completes. A file deleted (a tmp
@@ -62,8 +86,10 @@ enum class SwapState {
 const char* swap_state_name(SwapState state);
 
 struct SwapConfig {
-  std::string directory;     // must exist and be writable
-  int rank = 0;              // names the swap file, one per rank
+  std::string directory;     // must exist and be writable; may be shared (see the note above)
+  int rank = 0;              // named in the swap file, for people looking at the directory
+  std::string name;          // purpose tag in the file name ("params", "optimizer"):
+                             // [A-Za-z0-9_]{0,64}, else kInvalidArgument
   std::int64_t capacity = 0; // bytes of swap space this rank plans to use
   AioConfig io;              // engine settings; probe_directory is set to `directory`
 };
@@ -80,6 +106,7 @@ struct SwapStats {
   std::uint64_t entries;
   std::uint64_t bytes_swapped_out;
   std::uint64_t bytes_swapped_in;
+  std::uint64_t leftover_bytes_removed;  // sizes of the files in leftovers_removed()
 };
 
 class SwapManager {
@@ -116,10 +143,12 @@ class SwapManager {
   std::vector<SwapId> ids() const;
   SwapStats stats() const;
   const std::string& path() const { return path_; }
+  // Leftover swap files of dead processes that the constructor removed.
+  const std::vector<std::string>& leftovers_removed() const { return leftovers_; }
   const AioEngine& engine() const;
 
-  // Waits for pending I/O (discarding its errors) and removes the swap file.
-  // Any later call but close() throws kInvalidArgument.
+  // Waits for pending I/O (discarding its errors), removes the swap file and
+  // releases its lock. Any later call but close() throws kInvalidArgument.
   void close();
 
  private:
@@ -144,8 +173,11 @@ class SwapManager {
   // Throws kSwapFileLost (and remembers it) unless path_ is still the file created.
   void check_file();
 
-  const SwapConfig config_;
+  const SwapConfig config_;  // checked before any other member is made
+  std::vector<std::string> leftovers_;
+  std::uint64_t leftover_bytes_ = 0;
   std::string path_;
+  int lock_fd_ = -1;  // the swap file, open with flock(LOCK_EX) held until close()
   dev_t device_ = 0;  // identity of the swap file created
   ino_t inode_ = 0;
   std::unique_ptr<Error> lost_;  // set once the file was found deleted or replaced
