@@ -14,7 +14,7 @@ import os
 import stat
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -204,16 +204,73 @@ class FP16Config(_Section):
     min_loss_scale: float = Field(1.0, gt=0)
 
 
-class OffloadOptimizerConfig(_Section):
-    device: Literal["none", "cpu"] = "none"
+class _OffloadSection(_Section):
+    key: ClassVar[str]  # the section's key under zero_optimization, for messages
+    # "nvme": what is offloaded lives in files under nvme_path, read through
+    # host memory ahead of its use and written back after.
+    device: Literal["none", "cpu", "nvme"] = "none"
+    # A directory on a fast local disk; ignored unless device is "nvme" (as in
+    # DeepSpeed). Whether it exists and is writable is checked at initialize.
+    nvme_path: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> _OffloadSection:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(
+                f"zero_optimization.{self.key}.nvme_path is required when "
+                f"zero_optimization.{self.key}.device is 'nvme'; set it to a directory on a fast "
+                "local disk"
+            )
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadSection):
+    key: ClassVar[str] = "offload_optimizer"
     pin_memory: bool = False  # page-locked master shards (on a GPU machine)
+    # NVMe: host buffers of sub_group_size elements for swapping optimizer
+    # states (DeepSpeed: at least one per tensor Adam keeps); bounds host memory.
+    buffer_count: int = Field(4, ge=1)
+    # NVMe: read the next sub-group while this one steps, and write the
+    # previous one meanwhile. zcore's defaults are true (DeepSpeed's false):
+    # without them a step waits for every read and write in turn.
+    pipeline_read: bool = True
+    pipeline_write: bool = True
+    # NVMe: DeepSpeed's direct first write of the optimizer states; zcore's
+    # first write is always direct (one sub-group at a time), so either value
+    # gives the same start.
+    fast_init: bool = False
 
 
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_OffloadSection):
+    key: ClassVar[str] = "offload_param"
     # Stage 3: where each rank's parameter shards rest between uses; "cpu"
     # copies a shard to the device just ahead of its all-gather.
-    device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False  # page-locked host shards (on a GPU machine)
+    # NVMe, in DeepSpeed: host staging buffers for swapping parameters in.
+    # zcore sizes its staging from the model; these bound the host memory it
+    # may take (explicit values too small for the model are refused at
+    # initialize, where the model is known).
+    buffer_count: int = Field(5, ge=1)  # staging buffers
+    buffer_size: int = Field(100_000_000, gt=0)  # elements per staging buffer
+    max_in_cpu: int = Field(1_000_000_000, ge=0)  # elements of shards staged in host memory at once
+
+
+class AioConfig(_Section):
+    """The asynchronous I/O engine behind NVMe offload (DeepSpeed's "aio")."""
+
+    # Bytes per I/O request: a multiple of 4096, which O_DIRECT needs.
+    block_size: int = Field(1_048_576, gt=0)
+    queue_depth: int = Field(8, gt=0)  # requests in flight per worker thread
+    intra_op_parallelism: int = Field(1, ge=1)  # worker threads sharing each read or write
+
+    @field_validator("block_size")
+    @classmethod
+    def _aligned_block(cls, v: int) -> int:
+        if v % 4096:
+            raise ValueError(
+                "must be a multiple of 4096 bytes (the alignment O_DIRECT needs); 1048576 is the default"
+            )
+        return v
 
 
 class ZeroConfig(_Section):
@@ -222,6 +279,10 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int = Field(500_000_000, gt=0)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+    # Optimizer states on NVMe are stepped and swapped in sub-groups of at
+    # most this many elements; unset, zcore sizes them to the host memory
+    # available (zcore.swapped_optimizer).
+    sub_group_size: int = Field(1_000_000_000, gt=0)
     # Stage 3, in parameter elements (DeepSpeed's names and defaults).
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
@@ -260,9 +321,15 @@ class Config(_Section):
     bf16: BF16Config = BF16Config()
     fp16: FP16Config = FP16Config()
     zero_optimization: ZeroConfig = ZeroConfig()
+    aio: AioConfig = AioConfig()
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
     steps_per_print: int = Field(10, gt=0)
     zero_allow_untested_optimizer: bool = False
+
+    @field_validator("aio", mode="before")
+    @classmethod
+    def _null_aio(cls, v: Any) -> Any:
+        return {} if v is None else v  # DeepSpeed reads "aio": null as its defaults
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

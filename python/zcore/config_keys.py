@@ -8,7 +8,7 @@ key is refused otherwise. ``_ANY`` marks keys refused whatever their value.
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from typing import Any, Optional
 
 _ANY = object()
 
@@ -17,7 +17,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         _ANY,
         "saving comes with zcore's sharded checkpoints",
     ),
-    "zero_optimization.sub_group_size": (_ANY, "optimizer sub-groups come with NVMe offload"),
     "zero_optimization.overlap_comm": (
         True,
         "zcore always overlaps gradient reduction with backward",
@@ -38,7 +37,11 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         False,
         "use zero_optimization.offload_optimizer.device = 'cpu' (the current key)",
     ),
-    "aio": (_ANY, "NVMe offload is not available yet"),
+    "zero_optimization.offload_optimizer.ratio": (1.0, "partial optimizer offload is not supported"),
+    "aio.use_gds": (False, "GPUDirect Storage is not supported"),
+    "aio.single_submit": (False, "zcore's I/O engine always submits a request's blocks as one batch"),
+    "aio.overlap_events": (True, "zcore's I/O engine always overlaps submission with completion"),
+    "aio.thread_count": (1, "use aio.intra_op_parallelism (its current name)"),
     "amp": (_ANY, "use bf16.enabled or fp16.enabled (zcore's own mixed precision)"),
     "activation_checkpointing": (_ANY, "use torch.utils.checkpoint in the model"),
     "prescale_gradients": (False, "zcore reduces in the communication dtype without prescaling"),
@@ -66,16 +69,12 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
 def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
     """The config without unsupported keys at their defaults, and one message
     per unsupported key set to anything else."""
-    # The keys above sit at most one section deep, so two levels are copied;
-    # a recursive copy overflowed the stack on a deeply nested value.
-    cleaned = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    cleaned = dict(raw)
     problems = []
     for dotted, (default, reason) in UNSUPPORTED_KEYS.items():
         *parents, leaf = dotted.split(".")
-        section = cleaned
-        for part in parents:
-            section = section.get(part) if isinstance(section, dict) else None
-        if not isinstance(section, dict) or leaf not in section:
+        section = _copied_section(cleaned, parents)
+        if section is None or leaf not in section:
             continue
         value = section.pop(leaf)
         if default is _ANY or not _is_default(value, default):
@@ -84,6 +83,22 @@ def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
                 f"support: {reason}. Remove it from the config."
             )
     return cleaned, problems
+
+
+def _copied_section(config: dict, parents: list[str]) -> Optional[dict]:
+    """The section of `config` at the path `parents`, or None where a section
+    on the way is missing or not an object. Each section on the way is
+    replaced in `config` by a copy, so that popping from the result leaves the
+    caller's config as it was; one level each, since a recursive copy
+    overflowed the stack on a deeply nested value."""
+    section = config
+    for part in parents:
+        child = section.get(part)
+        if not isinstance(child, dict):
+            return None
+        section[part] = dict(child)
+        section = section[part]
+    return section
 
 
 def _is_default(value: Any, default: Any) -> bool:

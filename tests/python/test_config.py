@@ -82,7 +82,7 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
         ({"optimizer": {"type": "Lamb"}}, r"optimizer.type.*'Lamb' is not supported"),
         ({"scheduler": {"type": "OneCycle"}}, r"scheduler.*WarmupLR"),
         ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, r"scheduler.params.total_num_steps"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, r"offload_optimizer.device"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}}, r"offload_optimizer.device"),
         ({"amp": {"enabled": True}}, r"'amp'.*zcore does not support.*bf16.enabled"),
         ({"activation_checkpointing": {}}, r"'activation_checkpointing'.*does not support"),
         ({"wall_clock_breakdown": True}, r"'wall_clock_breakdown' = True"),
@@ -90,7 +90,11 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage"),
         ({"zero_optimization": {"stage3_max_live_parameters": -1}}, r"stage3_max_live_parameters"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param.device = 'cpu' needs zero_optimization.stage = 3"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload_param.device"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}, r"offload_param.device"),
+        (
+            {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+            r"offload_param.device = 'nvme' needs zero_optimization.stage = 3",
+        ),
     ],
 )
 def test_bad_keys_are_named(config, match):
@@ -155,6 +159,15 @@ def with_key(path: str, value):
         ("zero_optimization.reduce_bucket_size", 2**63),
         ("zero_optimization.stage3_max_live_parameters", 2**64),
         ("zero_optimization.stage3_prefetch_bucket_size", float(2**70)),
+        ("zero_optimization.sub_group_size", True),
+        ("zero_optimization.offload_optimizer.buffer_count", True),
+        ("zero_optimization.offload_optimizer.pipeline_read", 1),
+        ("zero_optimization.offload_optimizer.fast_init", 0),
+        ("zero_optimization.offload_param.buffer_size", True),
+        ("zero_optimization.offload_param.max_in_cpu", False),
+        ("zero_optimization.offload_param.nvme_path", 1),
+        ("aio.block_size", True),
+        ("aio.queue_depth", "8"),
     ],
 )
 def test_values_are_not_coerced(path, value):
@@ -207,3 +220,126 @@ def test_a_huge_config_file_is_refused_without_reading_it_whole(tmp_path):
     path.write_bytes(b" " * (2 << 20) + b"{}")
     with pytest.raises(zcore.ConfigError, match="larger than"):
         load_config(path)
+
+
+# ZeRO-Infinity (NVMe offload) keys: DeepSpeed's names and defaults.
+NVME_DEFAULTS = {
+    "zero_optimization": {
+        "stage": 3,
+        "sub_group_size": 1e9,
+        "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": False, "buffer_count": 4,
+            "pipeline_read": False, "pipeline_write": False, "fast_init": False, "ratio": 1.0,
+        },
+        "offload_param": {
+            "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": False, "buffer_count": 5,
+            "buffer_size": 1e8, "max_in_cpu": 1e9,
+        },
+    },
+    "aio": {
+        "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+        "overlap_events": True, "use_gds": False, "thread_count": 1,
+    },
+}
+
+
+def test_nvme_offload_keys_at_deepspeed_defaults_round_trip():
+    given = load_config({**BASE, **NVME_DEFAULTS})
+    omitted = load_config(BASE)
+    for cfg in (given, omitted):
+        zero = cfg.zero_optimization
+        assert zero.sub_group_size == 1_000_000_000 and type(zero.sub_group_size) is int
+        assert (zero.offload_optimizer.buffer_count, zero.offload_optimizer.pin_memory) == (4, False)
+        assert not zero.offload_optimizer.fast_init
+        param = zero.offload_param
+        assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (5, 100_000_000, 1_000_000_000)
+        assert cfg.aio.model_dump() == {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1}
+    # DeepSpeed's pipeline defaults are false; zcore's are true (config.py says why).
+    assert not (given.zero_optimization.offload_optimizer.pipeline_read or
+                given.zero_optimization.offload_optimizer.pipeline_write)
+    assert omitted.zero_optimization.offload_optimizer.pipeline_read
+    assert omitted.zero_optimization.offload_optimizer.pipeline_write
+    assert given.zero_optimization.offload_optimizer.device == "nvme"
+    assert given.zero_optimization.offload_param.nvme_path == "/local_nvme"
+    assert omitted.zero_optimization.offload_param.device == "none"
+    assert omitted.zero_optimization.offload_param.nvme_path is None
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+@pytest.mark.parametrize("nvme_path", [{}, {"nvme_path": ""}, {"nvme_path": None}])
+def test_nvme_offload_without_a_path_is_refused_naming_the_key(section, nvme_path):
+    config = {**BASE, "zero_optimization": {"stage": 3, section: {"device": "nvme", **nvme_path}}}
+    with pytest.raises(zcore.ConfigError) as info:
+        load_config(config)
+    assert (
+        f"zero_optimization.{section}.nvme_path is required when zero_optimization.{section}.device "
+        "is 'nvme'; set it to a directory on a fast local disk"
+    ) in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["none", "cpu"])
+def test_a_path_without_nvme_offload_is_accepted_as_deepspeed_ignores_it(device):
+    zero = {"stage": 3, "offload_param": {"device": device, "nvme_path": "/does/not/exist"}}
+    cfg = load_config({**BASE, "zero_optimization": zero})
+    assert cfg.zero_optimization.offload_param.nvme_path == "/does/not/exist"
+
+
+@pytest.mark.parametrize("block_size", [1, 512, 1000, 4097, 1048576 + 512])
+def test_aio_block_size_must_be_a_multiple_of_4096(block_size):
+    with pytest.raises(zcore.ConfigError, match=r"aio.block_size: .*must be a multiple of 4096 bytes"):
+        load_config(with_key("aio.block_size", block_size))
+
+
+@pytest.mark.parametrize("block_size", [4096, 8192, 1048576, 16 << 20, 4096.0])
+def test_aio_block_sizes_that_are_multiples_of_4096_are_accepted(block_size):
+    assert load_config(with_key("aio.block_size", block_size)).aio.block_size == int(block_size)
+
+
+def test_aio_null_is_deepspeeds_defaults():
+    assert load_config({**BASE, "aio": None}).aio == load_config(BASE).aio
+
+
+@pytest.mark.parametrize(
+    ("path", "default", "other", "reason"),
+    [
+        ("zero_optimization.offload_optimizer.ratio", 1.0, 0.5, "partial optimizer offload is not supported"),
+        ("aio.use_gds", False, True, "GPUDirect Storage is not supported"),
+        ("aio.thread_count", 1, 4, "use aio.intra_op_parallelism"),
+        ("aio.single_submit", False, True, "always submits a request's blocks as one batch"),
+        ("aio.overlap_events", True, False, "always overlaps submission with completion"),
+    ],
+)
+def test_unsupported_nvme_keys_are_accepted_only_at_deepspeed_defaults(path, default, other, reason):
+    load_config(with_key(path, default))
+    with pytest.raises(zcore.ConfigError, match=rf"'{path}' = {other}.*{reason}"):
+        load_config(with_key(path, other))
+
+
+def test_a_refused_key_two_sections_deep_leaves_the_callers_config_unchanged():
+    config = with_key("zero_optimization.offload_optimizer.ratio", 1.0)
+    load_config(config)
+    assert config["zero_optimization"]["offload_optimizer"] == {"ratio": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("zero_optimization.sub_group_size", 0),
+        ("zero_optimization.sub_group_size", -1),
+        ("zero_optimization.offload_optimizer.buffer_count", 0),
+        ("zero_optimization.offload_param.buffer_count", 0),
+        ("zero_optimization.offload_param.buffer_size", 0),
+        ("zero_optimization.offload_param.max_in_cpu", -1),
+        ("aio.queue_depth", 0),
+        ("aio.intra_op_parallelism", 0),
+        ("aio.block_size", 0),
+    ],
+)
+def test_nvme_sizes_and_counts_out_of_range_are_refused_naming_the_key(path, value):
+    with pytest.raises(zcore.ConfigError, match=rf"{path}: Input should be greater than"):
+        load_config(with_key(path, value))
+
+
+def test_no_parameter_shards_kept_in_host_memory_is_accepted():
+    cfg = load_config(with_key("zero_optimization.offload_param.max_in_cpu", 0))
+    assert cfg.zero_optimization.offload_param.max_in_cpu == 0

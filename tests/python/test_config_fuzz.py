@@ -66,8 +66,15 @@ BASE = {
         "stage": 3,
         "reduce_bucket_size": 5e8,
         "allgather_bucket_size": 500000000,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4,
+            "pipeline_read": True, "pipeline_write": False, "fast_init": False, "ratio": 1.0,
+        },
+        "offload_param": {
+            "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+            "buffer_size": 1e8, "max_in_cpu": 1e9,
+        },
+        "sub_group_size": 1e9,
         "stage3_prefetch_bucket_size": 5e7,
         "stage3_max_live_parameters": 1e9,
         "stage3_max_reuse_distance": 1e9,
@@ -76,6 +83,10 @@ BASE = {
         "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
         "allgather_partitions": True, "round_robin_gradients": False,
         "load_from_fp32_weights": True, "elastic_checkpoint": False, "cpu_offload": False,
+    },
+    "aio": {
+        "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+        "overlap_events": True, "use_gds": False, "thread_count": 1,
     },
     "communication_data_type": "fp32",
     "steps_per_print": 100,
@@ -91,7 +102,7 @@ BASE = {
 #   2. an int for a float key: the float of the same value (exactly);
 #   3. betas: a JSON list of two numbers, a tuple of floats;
 #   4. optimizer.type: "adam"/"adamw" in any case, the canonical name;
-#   5. zero_optimization.offload_optimizer or offload_param: null, no offload (all defaults);
+#   5. zero_optimization.offload_optimizer or offload_param, or aio: null, all defaults;
 #   6. a DeepSpeed key at DeepSpeed's default: accepted and dropped (GONE).
 # "auto" is accepted as itself where the key allows it.
 REFUSED = object()
@@ -117,8 +128,19 @@ def real(lo: float = -math.inf, strict: bool = False) -> Kind:
     return kind
 
 
+def multiple_of(step: int, base: Kind) -> Kind:
+    def kind(v: Any) -> Any:
+        e = base(v)
+        return e if e is REFUSED or e % step == 0 else REFUSED
+    return kind
+
+
 def boolean(v: Any) -> Any:
     return v if type(v) is bool else REFUSED
+
+
+def string(v: Any) -> Any:
+    return v if type(v) is str else REFUSED
 
 
 def one_of(*allowed: Any) -> Kind:
@@ -218,8 +240,16 @@ SCHEMA = Section({
         "stage": integer(0, 3),
         "reduce_bucket_size": integer(1),
         "allgather_bucket_size": integer(1),
-        "offload_optimizer": Section({"device": one_of("none", "cpu"), "pin_memory": boolean}, null="defaults"),
-        "offload_param": Section({"device": one_of("none", "cpu"), "pin_memory": boolean}, null="defaults"),
+        "offload_optimizer": Section({
+            "device": one_of("none", "cpu", "nvme"), "nvme_path": either(string, null), "pin_memory": boolean,
+            "buffer_count": integer(1), "pipeline_read": boolean, "pipeline_write": boolean,
+            "fast_init": boolean, "ratio": either(deepspeed_default(1.0), deepspeed_default(1)),
+        }, null="defaults"),
+        "offload_param": Section({
+            "device": one_of("none", "cpu", "nvme"), "nvme_path": either(string, null), "pin_memory": boolean,
+            "buffer_count": integer(1), "buffer_size": integer(1), "max_in_cpu": integer(0),
+        }, null="defaults"),
+        "sub_group_size": integer(1),
         "stage3_prefetch_bucket_size": integer(0),
         "stage3_max_live_parameters": integer(0),
         "stage3_max_reuse_distance": integer(0),
@@ -230,6 +260,13 @@ SCHEMA = Section({
             "load_from_fp32_weights")},
         **{k: deepspeed_default(False) for k in ("round_robin_gradients", "elastic_checkpoint", "cpu_offload")},
     }),
+    "aio": Section({
+        "block_size": multiple_of(4096, integer(1)), "queue_depth": integer(1),
+        "intra_op_parallelism": integer(1), "single_submit": deepspeed_default(False),
+        "overlap_events": deepspeed_default(True),
+        "use_gds": deepspeed_default(False),
+        "thread_count": either(deepspeed_default(1), deepspeed_default(1.0)),
+    }, null="defaults"),
     "communication_data_type": either(one_of("fp32", "fp16", "bf16"), null),
     "steps_per_print": integer(1),
     "zero_allow_untested_optimizer": boolean,
@@ -248,9 +285,15 @@ def expected_config(raw: Any) -> Any:
     if all(enabled):
         return REFUSED  # at most one of bf16 and fp16
     zero = expected.get("zero_optimization")
-    if isinstance(zero, dict) and isinstance(zero.get("offload_param"), dict):
-        if zero["offload_param"].get("device", "none") != "none" and zero.get("stage", 0) != 3:
-            return REFUSED  # parameters are sharded, so offloaded, only at stage 3
+    if not isinstance(zero, dict):
+        return expected
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section)
+        if isinstance(offload, dict) and offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            return REFUSED  # NVMe offload needs a directory: a non-empty nvme_path
+    param = zero.get("offload_param")
+    if isinstance(param, dict) and param.get("device", "none") != "none" and zero.get("stage", 0) != 3:
+        return REFUSED  # parameters are sharded, so offloaded, only at stage 3
     return expected
 
 
@@ -331,8 +374,14 @@ PLAUSIBLE = st.one_of(
     st.integers(-3, 70).map(float),
     st.floats(0, 1),
     st.lists(st.floats(0, 1) | st.integers(0, 1), min_size=2, max_size=2),
-    st.sampled_from(["auto", "adam", "AdamW", "ADAM", "cpu", "none", "log", "linear", "bf16", "every_module"]),
-    st.sampled_from([None, True, False, {}, {"enabled": True}, {"device": "cpu"}, {"type": "Adam"}]),
+    st.sampled_from(
+        ["auto", "adam", "AdamW", "ADAM", "cpu", "none", "nvme", "log", "linear", "bf16", "every_module"]
+    ),
+    st.sampled_from([4096, 6144, 1 << 20, 1.5 * (1 << 20)]),  # aio.block_size: multiples of 4096 or not
+    st.sampled_from([
+        None, True, False, {}, {"enabled": True}, {"device": "cpu"}, {"type": "Adam"},
+        {"device": "nvme"}, {"device": "nvme", "nvme_path": ""}, {"device": "nvme", "nvme_path": "/nvme"},
+    ]),
 )
 VALUES = JSON | DEEP | PLAUSIBLE
 
@@ -412,15 +461,19 @@ def test_any_json_value_as_the_whole_config_loads_as_stated_or_is_refused(raw):
         pass
 
 
-def near(v: Any) -> st.SearchStrategy:
+def variants(v: Any) -> list[Any]:
     """Variations of a valid value: other types and spellings of it."""
     if type(v) in (int, float):
-        return st.sampled_from([v, int(v), float(v), 2 * v, -v, 0, 0.0, v + 0.5, True, str(v)])
+        return [v, int(v), float(v), 2 * v, -v, 0, 0.0, v + 0.5, True, str(v)]
     if type(v) is str:
-        return st.sampled_from([v, v.lower(), v.upper(), v + " ", 1])
+        return [v, v.lower(), v.upper(), v + " ", 1]
     if type(v) is bool:
-        return st.sampled_from([v, not v, int(v), float(v), str(v).lower()])
-    return st.sampled_from([v, {}, [], None])
+        return [v, not v, int(v), float(v), str(v).lower()]
+    return [v, {}, [], None]
+
+
+def near(v: Any) -> st.SearchStrategy:
+    return st.sampled_from(variants(v))
 
 
 @st.composite
@@ -429,22 +482,41 @@ def substitutions(draw: st.DrawFn) -> tuple[str, Any]:
     return path, draw(near(value_at(BASE, path)) if draw(st.booleans()) else VALUES)
 
 
-@settings(FUZZ, max_examples=600)
-@given(substitution=substitutions())
-def test_any_value_at_any_key_loads_as_stated_or_is_refused_naming_the_key(substitution):
-    path, value = substitution
+def check_substitution(path: str, value: Any) -> str:
+    """The base config with `value` at `path` loads as stated, or is refused
+    naming the key; which of the two."""
     config = with_value(path, value)
     expected = expected_config(config)
-    event("refused" if expected is REFUSED else "accepted")  # --hypothesis-show-statistics
     if expected is REFUSED:
         message = refusal(config)
-        assert all(names(line, path) for line in problem_lines(message)), message
+        assert all(names(line, path) for line in problem_lines(message)), (path, value, message)
         assert len(message) < 4000, "the message echoes the value unbounded"
-        return
+        return "refused"
     cfg = load_config(config)
     expected_here = value_at(expected, path)
     if expected_here is not GONE:
         assert_holds(expected_here, parsed_at(cfg, path), path)
+    return "accepted"
+
+
+@settings(FUZZ, max_examples=600)
+@given(substitution=substitutions())
+def test_any_value_at_any_key_loads_as_stated_or_is_refused_naming_the_key(substitution):
+    event(check_substitution(*substitution))  # --hypothesis-show-statistics
+
+
+# Values that a bound tells apart (> 0 from >= 0, a multiple of 4096 from one
+# of 512, a default from another value), tried at every key: a random draw
+# reaches a given key's edge too rarely.
+EDGES = [None, "", 0, 1, -1, 2, 512, 4096, 4097]
+
+
+@pytest.mark.parametrize("path", LEAVES)
+def test_every_key_at_its_edges_loads_as_stated_or_is_refused_naming_the_key(path):
+    v = value_at(BASE, path)
+    off_by_one = [v - 1, v + 1] if type(v) in (int, float) else []
+    for value in variants(v) + off_by_one + EDGES:
+        check_substitution(path, value)
 
 
 NUMERIC = [p for p in LEAVES if type(value_at(BASE, p)) in (int, float)]
