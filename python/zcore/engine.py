@@ -19,10 +19,10 @@ import torch
 from zcore import checkpoint
 from zcore.comm import DistributedContext
 from zcore.config import Config
-from zcore.errors import InvalidStateError
+from zcore.errors import CheckpointError, InvalidStateError
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
-from zcore.policies import Policies
+from zcore.policies import Policies, Tier
 from zcore.sharded_optimizer import Publisher, ShardedOptimizer
 
 log = logging.getLogger("zcore")
@@ -48,6 +48,9 @@ class ParamResidency(Protocol):
     def reload(self) -> None:
         """After a checkpoint load replaced the shards: parameters take them."""
 
+    def close(self) -> None:
+        """Releases what parameters rest in outside memory (swap files)."""
+
 
 class ResidentParams:
     """Stages 0-2: every rank holds whole parameters; nothing to do between uses."""
@@ -61,6 +64,9 @@ class ResidentParams:
 
     def stored_tensors(self) -> list[torch.Tensor]:
         return [u.flat for u in self.units]
+
+    def close(self) -> None:
+        return None
 
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         return module(*args, **kwargs)
@@ -117,9 +123,13 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+        # An optimizer step that failed part-way (a disk full during a
+        # swap-out, say) left some shards updated and others not.
+        self._broken: Optional[str] = None
 
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_if_broken()
         return self.residency.forward(self.module, args, kwargs)
 
     forward = __call__
@@ -143,6 +153,7 @@ class Engine:
                 f"engine.backward expects a scalar loss tensor, got "
                 f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
             )
+        self._refuse_if_broken()
         reducer = self.optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
         factor = self.optimizer.loss_scale / self.batch.gradient_accumulation_steps
@@ -164,8 +175,13 @@ class Engine:
                 "would count a micro-step that has no gradients; call engine.backward(loss) first "
                 "(every micro-batch: forward, backward, step)"
             )
+        self._refuse_if_broken()
         if self.is_gradient_accumulation_boundary():
-            result = self.optimizer.step()
+            try:
+                result = self.optimizer.step()
+            except BaseException as exc:
+                self._broken = f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+                raise
             self.last_grad_norm = result.grad_norm
             if result.skipped:
                 self.skipped_steps += 1
@@ -188,6 +204,14 @@ class Engine:
                 )
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise InvalidStateError(
+                f"this engine cannot continue: {self._broken[:2000]}, so its parameters and optimizer "
+                "states are partly updated. Remove the cause, then load the last checkpoint into a "
+                "new engine"
+            )
 
     def zero_grad(self) -> None:
         """Gradients live in zcore's buffers and are cleared after each step;
@@ -221,7 +245,24 @@ class Engine:
         misses, peak live elements, arena fallbacks, ...); None otherwise."""
         return self.residency.stats()
 
+    def destroy(self) -> None:
+        """Waits for pending writes and removes this rank's swap files
+        (parameters and optimizer states on NVMe are then gone); the engine
+        cannot train after it. Also done when the process exits."""
+        try:
+            self.residency.close()
+        finally:
+            self.optimizer.close()
+
     # Checkpoints (zcore.checkpoint).
+    def _refuse_nvme(self, doing: str) -> None:
+        offload = self.policies.offload
+        if Tier.NVME in (offload.parameters, offload.optimizer):
+            raise CheckpointError(
+                f"{doing} does not read states on NVMe yet (offload_param or offload_optimizer "
+                "device 'nvme'); train with device 'cpu' to checkpoint"
+            )
+
     def save_checkpoint(
         self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None
     ) -> Path:
@@ -229,6 +270,8 @@ class Engine:
         states (safetensors) beside JSON metadata; ``tag`` defaults to
         ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
         every rank, at an accumulation boundary. Returns the tag directory."""
+        self._refuse_if_broken()
+        self._refuse_nvme("save_checkpoint")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(
@@ -242,9 +285,13 @@ class Engine:
         """Loads a checkpoint saved at any world size, stage or offload
         setting (the tag in ``load_dir/latest`` by default). Returns (tag
         directory, client_state), or (None, None) when there is no latest."""
-        return checkpoint.load_checkpoint(
+        self._refuse_nvme("load_checkpoint")
+        loaded = checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
+        if loaded[0] is not None and not load_module_only and load_optimizer_states:
+            self._broken = None  # every state was replaced
+        return loaded
 
     def restore_counters(self, counters: checkpoint.schema.Counters) -> None:
         """The step counters of a loaded checkpoint, from its validated record."""
@@ -258,6 +305,7 @@ class Engine:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an
         empty dict on the other ranks. Call it on every rank."""
+        self._refuse_nvme("full_state_dict")
         return checkpoint.full_state_dict(self, dtype)
 
     def memory_report(self) -> MemoryReport:

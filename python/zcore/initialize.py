@@ -26,7 +26,8 @@ from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
-from zcore.policies import StagePolicy, policies_from_config
+from zcore.host_memory import PAGE_ALIGNMENT
+from zcore.policies import OffloadPolicy, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.optim import CPUAdam
@@ -38,7 +39,18 @@ from zcore.sharded_optimizer import (
     MasterShards,
     Publisher,
     ShardedOptimizer,
+    StoredShards,
     TorchUpdate,
+    UnitShards,
+)
+
+from zcore.swapped_optimizer import (
+    SwappedAdamUpdate,
+    SwappedMaster,
+    host_bytes_available,
+    plan_sub_groups,
+    sub_group_elements,
+    swap_capacity,
 )
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
@@ -94,7 +106,11 @@ def initialize(
         groups = collect_param_groups(model, optimizer, model_parameters)
         units = layouts = _pack(groups, cfg, policies.stage, context.device)
     offload = policies.offload
-    master = MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
+    master: Union[MasterShards, SwappedMaster]
+    if offload.optimizer is Tier.NVME:
+        master = _swapped_master(units, offload)
+    else:
+        master = MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
@@ -107,6 +123,7 @@ def initialize(
         fetcher = ParamFetcher(
             model, sharded_groups, hooked, coordinator_config(zero), context.world_size, policies.offload,
             check_every_module=zero.stage3_rank_agreement_check == "every_module",
+            swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
         )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
         handles += hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
@@ -116,15 +133,16 @@ def initialize(
             for param in gathered_parameters.pending_external(module):
                 gathered_parameters.add_external(fetcher, module, param)
         residency = publisher = fetcher
+        shards: UnitShards = StoredShards(fetcher)
     else:
         publisher = GatherUnits(units) if policies.stage.gathers_updated_units else KeepUnits()
         residency = ResidentParams(units, publisher)
-    update_policy = FusedCpuUpdate if isinstance(inner, CPUAdam) else TorchUpdate
+        shards = UnitShards()
     sharded = ShardedOptimizer(
         inner=inner,
         master=master,
         reducer=reducer,
-        update=update_policy(inner, master, reducer),
+        update=_update(inner, master, reducer, shards, offload),
         precision=precision,
         gradient_clipping=cfg.gradient_clipping,
         world_size=context.world_size,
@@ -216,8 +234,53 @@ def _shard(
 
 
 
-def _write_master(master: MasterShards, units: list[Unit], group: ShardedGroup) -> None:
-    master.shards[units.index(group)].copy_(group.local_shard)
+def _swapped_master(units: list[Unit], offload: OffloadPolicy) -> SwappedMaster:
+    """Optimizer states on NVMe: sub-groups sized for the host memory they
+    pass through, written out once here (zcore.swapped_optimizer)."""
+    assert offload.optimizer_swap is not None
+    total = sum(p.numel for u in units for p in u.pieces)
+    size = sub_group_elements(
+        total, offload.optimizer_buffers, offload.sub_group_size, offload.sub_group_size_set,
+        host_bytes_available(),
+    )
+    sub_groups = plan_sub_groups(units, size)
+    largest = max((s.nbytes for s in sub_groups), default=PAGE_ALIGNMENT)
+    swap = offload.optimizer_swap.open(
+        "optimizer", swap_capacity(sub_groups), offload.optimizer_buffers * (largest + PAGE_ALIGNMENT)
+    )
+    return SwappedMaster(units, sub_groups, swap)
+
+
+def _update(
+    inner: torch.optim.Optimizer,
+    master: Union[MasterShards, SwappedMaster],
+    reducer: GradientReducer,
+    shards: UnitShards,
+    offload: OffloadPolicy,
+) -> TorchUpdate:
+    if isinstance(master, SwappedMaster):
+        needed = 1 + offload.read_ahead + offload.write_behind
+        if offload.optimizer_buffers < needed:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.buffer_count = {offload.optimizer_buffers} is too "
+                f"few for pipeline_read = {offload.read_ahead} and pipeline_write = {offload.write_behind}: "
+                f"they need {needed} buffers; set buffer_count to {needed} or turn a pipeline off"
+            )
+        return SwappedAdamUpdate(
+            inner, master, reducer, shards, read_ahead=offload.read_ahead, write_behind=offload.write_behind
+        )
+    if isinstance(inner, CPUAdam):
+        return FusedCpuUpdate(inner, master, reducer, shards)
+    return TorchUpdate(inner, master, reducer, shards)
+
+
+def _write_master(
+    master: Union[MasterShards, SwappedMaster], units: list[Unit], group: ShardedGroup, values: torch.Tensor
+) -> None:
+    if isinstance(master, SwappedMaster):
+        master.write_unit(units.index(group), values)
+    else:
+        master.shards[units.index(group)].copy_(values)
 
 
 def _pack(groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.device) -> list[FlatUnit]:

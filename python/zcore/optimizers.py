@@ -113,6 +113,7 @@ def build_optimizer(
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_elementwise(optimizer, cfg)
+        _check_swappable(optimizer, offload)
         # Re-point the user's optimizer (so schedulers built on it keep working).
         for group, new in zip(optimizer.param_groups, piece_groups):
             group["params"] = new["params"]
@@ -124,6 +125,7 @@ def build_optimizer(
                 f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
             )
         _check_elementwise(built, cfg)
+        _check_swappable(built, offload)
         return built
     if cfg.optimizer is None:
         raise ConfigError(
@@ -132,7 +134,13 @@ def build_optimizer(
         )
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
-    if offload.optimizer is Tier.HOST and not p.torch_adam:
+    if offload.optimizer is Tier.NVME and p.torch_adam:
+        raise ConfigError(
+            "optimizer.params.torch_adam = true cannot step optimizer states on NVMe, which "
+            "zcore's fused CPU Adam streams from disk; remove torch_adam or set "
+            "zero_optimization.offload_optimizer.device to 'cpu' or 'none'"
+        )
+    if offload.optimizer is not Tier.DEVICE and not p.torch_adam:
         # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
         return CPUAdam(
             piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
@@ -140,6 +148,15 @@ def build_optimizer(
         )
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+
+
+def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
+    if offload.optimizer is Tier.NVME and not isinstance(optimizer, CPUAdam):
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device = 'nvme' steps the states on disk with "
+            f"zcore's fused CPU Adam, not {type(optimizer).__name__}: pass zcore.optim.CPUAdam or "
+            "CPUAdamW (or configure an 'optimizer' section of type Adam or AdamW)"
+        )
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer, cfg: Config) -> None:

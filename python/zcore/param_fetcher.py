@@ -29,7 +29,9 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from zcore import _C
 from zcore.external_params import ExternalParameters
+from zcore.errors import ConfigError, InvalidStateError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
+from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.module_calls import CallTracker, ModuleCall
 from zcore.plan_execution import PlanExecutor
 from zcore.policies import OffloadPolicy, Tier
@@ -37,6 +39,7 @@ from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
 from zcore.saved_views import SavedViews, hooks_in_force
 from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
+from zcore.swap import SwapManager
 from zcore.use_sites import ModelNames, UseSites
 
 log = logging.getLogger("zcore")
@@ -81,6 +84,7 @@ class ParamFetcher:
         world_size: int,
         offload: OffloadPolicy,
         check_every_module: bool = False,
+        swap: Optional[Callable[[int, int], SwapManager]] = None,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
@@ -89,18 +93,28 @@ class ParamFetcher:
         ``check_every_module``: ranks agree on every use, not only on the
         uses no trace foresaw (config stage3_rank_agreement_check).
         ``offload.parameters``: the tier of every group's shard (persistent
-        groups stay on the device)."""
+        groups stay on the device); ``swap(capacity, host_bytes)`` opens the
+        swap file of NVMe shards, with a host pool of ``host_bytes`` for reads."""
         self.groups = groups
         self.world_size = world_size
         tier = _TIERS[offload.parameters]
-        config.staging_bytes = staging_bytes(groups, config, world_size) if tier != _C.ShardTier.DEVICE else 0
+        if tier != _C.ShardTier.DEVICE:
+            config.staging_bytes = staging_bytes(groups, config, world_size, offload)
         self.coordinator = _C.ParamCoordinator(config)
         for g in groups:
             self.coordinator.register_group(
                 g.padded_numel, g.dtype.itemsize, shard_numel=g.shard_numel, tier=tier
             )
         tiers = [self.coordinator.shard_tier(g.index) for g in groups]
-        self._store = ShardStore(groups, tiers, offload.pin_parameters)
+        on_nvme = [g for g, t in zip(groups, tiers) if t == _C.ShardTier.NVME]
+        manager = None
+        if on_nvme:
+            if swap is None:
+                raise InvalidStateError("parameter shards go to NVMe, but no swap space was given")
+            manager = swap(swap_capacity(on_nvme), nvme_host_bytes(on_nvme, config.staging_bytes))
+        self._store = ShardStore(groups, tiers, offload.pin_parameters, manager)
+        # Updated NVMe shards held for writing, at most this many bytes at once.
+        self._pending_limit = config.staging_bytes
         self.group_of_param = {id(p): g.index for g in groups for p in g.params}
         self._names = ModelNames(model, groups, self.group_of_param)
         self._sites = UseSites(self.coordinator, self._names)
@@ -119,7 +133,7 @@ class ParamFetcher:
         self._external = ExternalParameters(
             self._sites, self._plans, self._calls, self.buffers, self.group_of_param, self._names
         )
-        self._master_writer: Optional[Callable[[ShardedGroup], None]] = None
+        self._master_writer: Optional[Callable[[ShardedGroup, torch.Tensor], None]] = None
         self._released_check = ReleasedParameterCheck(self._released, self._names.param, self._describe_module)
 
     @property
@@ -176,9 +190,35 @@ class ParamFetcher:
         self._plans.execute(self.coordinator.abort_step())
 
     def publish(self) -> None:
-        """After an optimizer step: the trained groups that stay gathered
-        (persistent ones) get the new values in place, in one all-gather."""
+        """After an optimizer step: the updated NVMe shards are on disk (a
+        write error surfaces here), and the trained groups that stay
+        gathered (persistent ones) get the new values in place, in one
+        all-gather."""
+        self.finish_writes()
         self._plans.refresh([g for g in self.groups if g.trainable])
+
+    def read_shard(self, group: int) -> torch.Tensor:
+        """``group``'s shard values (zcore.shard_store.ShardStore.read)."""
+        return self._store.read(group)
+
+    def write_shard(self, group: int, values: torch.Tensor) -> None:
+        """Between steps: ``values`` become ``group``'s shard. An NVMe shard
+        starts being written; the writes held in host memory stay within the
+        staging budget (the oldest are waited for beyond it)."""
+        if self._store.write(group, values):
+            self._plans.execute(self.coordinator.store_shards([group]))
+            if self._store.pending_bytes > self._pending_limit:
+                self.finish_writes()
+
+    def finish_writes(self) -> None:
+        self._plans.execute(self.coordinator.finish_stores())
+
+    def close(self) -> None:
+        """Waits for the shard writes and removes the parameter swap file."""
+        try:
+            self.finish_writes()
+        finally:
+            self._store.close()
 
     def reload(self) -> None:
         """After a checkpoint load replaced the shards: every group that
@@ -239,8 +279,8 @@ class ParamFetcher:
         """Hooked module ``k`` also needs ``group`` from now on."""
         self._sites.add_to_module(k, group)
 
-    def set_master_writer(self, writer: Callable[[ShardedGroup], None]) -> None:
-        """How a changed local shard reaches the fp32 master (GatheredParameters)."""
+    def set_master_writer(self, writer: Callable[[ShardedGroup, torch.Tensor], None]) -> None:
+        """How a changed shard's values reach the fp32 master (GatheredParameters)."""
         self._master_writer = writer
 
     def write_back(self, group: int, source_rank: int) -> None:
@@ -250,9 +290,10 @@ class ParamFetcher:
         full = self.buffers.current(group)
         if self.world_size > 1:
             torch.distributed.broadcast(full, src=source_rank)
-        g.local_shard.copy_(g.shard_of(full))
+        values = g.shard_of(full)
+        self.write_shard(group, values)
         if self._master_writer is not None and g.trainable:
-            self._master_writer(g)
+            self._master_writer(g, values)
 
     def stats(self) -> GatherStats:
         c = self.coordinator.stats()
@@ -267,7 +308,7 @@ class ParamFetcher:
             for g in self.groups
             if self.buffers.persistent[g.index] and self.buffers.holds(g.index)
         ]
-        return [g.local_shard for g in self.groups] + persistent
+        return [g.local_shard for g in self.groups if g.in_memory] + persistent
 
     def reset_peak(self) -> None:
         self.coordinator.reset_peak()
@@ -287,20 +328,57 @@ class ParamFetcher:
         return self._names.module(module)
 
 
-_TIERS = {Tier.DEVICE: _C.ShardTier.DEVICE, Tier.HOST: _C.ShardTier.HOST}
+_TIERS = {Tier.DEVICE: _C.ShardTier.DEVICE, Tier.HOST: _C.ShardTier.HOST, Tier.NVME: _C.ShardTier.NVME}
 
 
-def staging_bytes(groups: list[ShardedGroup], config: _C.CoordinatorConfig, world_size: int) -> int:
-    """Device bytes for shards copied ahead of their all-gathers: twice the
-    prefetch bucket's share of this rank (so that reads run ahead of the
+def nvme_host_bytes(on_nvme: list[ShardedGroup], staging: int) -> int:
+    """Host pool for NVMe shard reads: the staging budget, plus room for two
+    whole shards read outside the plans (checkpoints), plus each buffer's
+    rounding to the I/O alignment."""
+    largest = max(g.shard_numel * g.dtype.itemsize for g in on_nvme)
+    return staging + 2 * largest + (len(on_nvme) + 2) * PAGE_ALIGNMENT
+
+
+def staging_bytes(
+    groups: list[ShardedGroup], config: _C.CoordinatorConfig, world_size: int, offload: OffloadPolicy
+) -> int:
+    """Bytes for shards read ahead of their all-gathers. By default twice
+    the prefetch bucket's share of this rank (so that reads run ahead of the
     all-gathers), and never less than the largest offloaded shard, so that
-    any model trains, whatever its largest layer."""
+    any model trains, whatever its largest layer. A budget the user set
+    (offload_param buffer_count x buffer_size, max_in_cpu) is taken as it is,
+    and refused at once if the largest shard does not fit in it."""
     offloaded = [g for g in groups if g.padded_numel >= config.persistence_threshold]
     if not offloaded:
         return 0
     itemsize = max(g.dtype.itemsize for g in offloaded)
-    largest = max(g.shard_numel * g.dtype.itemsize for g in offloaded)
-    return max(largest, 2 * config.prefetch_bucket_elements * itemsize // world_size)
+    largest = max(offloaded, key=lambda g: g.shard_numel)
+    need = largest.shard_numel
+    what = f"the largest parameter shard of this rank ({need} elements, group {largest.index})"
+    if offload.staging_buffers is not None:
+        count, size = offload.staging_buffers
+        if count * size < need:
+            raise ConfigError(
+                f"zero_optimization.offload_param.buffer_count x buffer_size = {count} x {size} "
+                f"elements cannot hold {what}: set buffer_size to at least {-(-need // count)}, or "
+                "leave both keys out and zcore sizes its staging from the model"
+            )
+        elements = count * size
+    else:
+        elements = max(need, 2 * config.prefetch_bucket_elements // world_size)
+    if offload.max_staged_elements is not None:
+        if offload.max_staged_elements < need:
+            raise ConfigError(
+                f"zero_optimization.offload_param.max_in_cpu = {offload.max_staged_elements} elements "
+                f"cannot hold {what}: set it to at least {need}"
+            )
+        elements = min(elements, offload.max_staged_elements)
+    return elements * itemsize
+
+
+def swap_capacity(on_nvme: list[ShardedGroup]) -> int:
+    """Swap bytes for the NVMe shards, each extent rounded to the I/O alignment."""
+    return sum(-(-g.shard_numel * g.dtype.itemsize // PAGE_ALIGNMENT) * PAGE_ALIGNMENT for g in on_nvme)
 
 
 def coordinator_config(zero: Any) -> _C.CoordinatorConfig:

@@ -6,8 +6,9 @@ with a plan; ``PlanExecutor`` does what it says: one asynchronous
 all-gather of a group's shard into a buffer per GATHER, parameters pointed
 at views of the buffer at WAIT, pointed away and the buffer returned at
 RELEASE; a shard resting off the device (zcore.shard_store) is copied to
-it at FETCH_SHARD, waited for at SHARD_READY and let go at DROP_SHARD. An
-action it does not know is an error, never a guess.
+it at FETCH_SHARD, waited for at SHARD_READY and let go at DROP_SHARD; an
+updated NVMe shard is written at STORE_SHARD and waited for at SHARD_STORED.
+An action it does not know is an error, never a guess.
 
 The coordinator applies each action's transition when it issues the plan,
 so while a plan runs its states are already those after the plan. What has
@@ -75,6 +76,8 @@ class PlanExecutor:
             _C.Action.FETCH_SHARD: store.fetch,
             _C.Action.SHARD_READY: store.ready,
             _C.Action.DROP_SHARD: store.drop,
+            _C.Action.STORE_SHARD: store.store,
+            _C.Action.SHARD_STORED: store.stored,
         }
 
     def enter(self, site: int) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Optional
 
 import torch
 
 from zcore.comm import DistributedContext
 from zcore.config import Config
+from zcore.swap import SwapManager
 
 
 class Tier(Enum):
@@ -22,6 +24,26 @@ class Tier(Enum):
 
     DEVICE = "none"  # the compute device: a GPU, or the CPU when training on it
     HOST = "cpu"  # host memory
+    NVME = "nvme"  # files on a local disk, read through host memory
+
+
+@dataclass(frozen=True)
+class SwapSpace:
+    """A directory for swap files and how zcore's I/O engine uses it (the
+    config's nvme_path and aio section)."""
+
+    path: str
+    block_size: int
+    queue_depth: int
+    threads: int
+
+    def open(self, name: str, capacity: int, host_bytes: int) -> SwapManager:
+        """This rank's swap file ``name`` of ``capacity`` bytes, reading
+        through a host pool of ``host_bytes``."""
+        return SwapManager(
+            self.path, capacity, name=name, host_budget=host_bytes,
+            block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads,
+        )
 
 
 @dataclass(frozen=True)
@@ -70,8 +92,22 @@ class OffloadPolicy:
     pin_memory: bool  # optimizer's host buffers page-locked (only where CUDA is available)
     parameters: Tier = Tier.DEVICE
     pin_parameters: bool = False  # parameter shards on the host page-locked (CUDA only)
+    parameter_swap: Optional[SwapSpace] = None  # parameters on NVMe
+    optimizer_swap: Optional[SwapSpace] = None  # optimizer states on NVMe
+    # Stage 3 offload: staging for shards read ahead of their all-gathers,
+    # as the user set it: (offload_param.buffer_count, buffer_size), in
+    # elements; None derives it from the model. At most max_staged_elements
+    # (offload_param.max_in_cpu) when set.
+    staging_buffers: Optional[tuple[int, int]] = None
+    max_staged_elements: Optional[int] = None
+    sub_group_size: int = 1_000_000_000  # optimizer elements stepped (and swapped) at once
+    sub_group_size_set: bool = False  # given in the config, rather than the default
+    optimizer_buffers: int = 4  # host buffers of a sub-group each for the NVMe optimizer
+    read_ahead: bool = True  # NVMe optimizer: read the next sub-group during a sub-group's step
+    write_behind: bool = True  # NVMe optimizer: write a sub-group back during the next one's step
 
     def master_device(self, compute: torch.device) -> torch.device:
+        """Where an in-memory optimizer keeps the master shards (not NVMe)."""
         return torch.device("cpu") if self.optimizer is Tier.HOST else compute
 
 
@@ -83,16 +119,32 @@ class Policies:
 
 def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
     zero = cfg.zero_optimization
-    optimizer = Tier(zero.offload_optimizer.device)
-    parameters = Tier(zero.offload_param.device)
+    param, opt = zero.offload_param, zero.offload_optimizer
+    optimizer = Tier(opt.device)
+    parameters = Tier(param.device)
     # torch can pin host memory only where CUDA is available.
     cuda = context.device.type == "cuda"
+    explicit = {"buffer_count", "buffer_size"} & param.model_fields_set
     return Policies(
         stage=StagePolicy(zero.stage, context.world_size, context.rank),
         offload=OffloadPolicy(
             optimizer=optimizer,
-            pin_memory=optimizer is Tier.HOST and zero.offload_optimizer.pin_memory and cuda,
+            pin_memory=optimizer is not Tier.DEVICE and opt.pin_memory and cuda,
             parameters=parameters,
-            pin_parameters=parameters is Tier.HOST and zero.offload_param.pin_memory and cuda,
+            pin_parameters=parameters is not Tier.DEVICE and param.pin_memory and cuda,
+            parameter_swap=_swap_space(cfg, param.nvme_path) if parameters is Tier.NVME else None,
+            optimizer_swap=_swap_space(cfg, opt.nvme_path) if optimizer is Tier.NVME else None,
+            staging_buffers=(param.buffer_count, param.buffer_size) if explicit else None,
+            max_staged_elements=param.max_in_cpu if "max_in_cpu" in param.model_fields_set else None,
+            sub_group_size=zero.sub_group_size,
+            sub_group_size_set="sub_group_size" in zero.model_fields_set,
+            optimizer_buffers=opt.buffer_count,
+            read_ahead=opt.pipeline_read,
+            write_behind=opt.pipeline_write,
         ),
     )
+
+
+def _swap_space(cfg: Config, path: Optional[str]) -> SwapSpace:
+    assert path is not None  # the config requires nvme_path with device "nvme"
+    return SwapSpace(path, cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.intra_op_parallelism)

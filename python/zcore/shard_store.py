@@ -10,9 +10,16 @@ in its plans, when a shard moves; ``ShardStore`` does the moving:
   device (on CUDA, on a copy stream of its own, so the copy overlaps
   compute and the all-gathers), SHARD_READY makes the current stream wait
   for that copy, DROP_SHARD lets the staging tensor go.
-The optimizer writes updated shards into ``local_shard`` wherever it is.
-Staging tensors are allocated per fetch; the coordinator bounds their
-total (CoordinatorConfig.staging_bytes).
+- NVME: the shard is in this rank's parameter swap file (zcore.swap), keyed
+  by group; the group holds no tensor. FETCH_SHARD starts reading it into a
+  host buffer of the swap manager's pool (on a CPU compute device that
+  buffer is the staged shard), SHARD_READY waits for the read (and, on
+  CUDA, copies it to the device), DROP_SHARD returns the buffer. Updated
+  shards come in through ``write``; STORE_SHARD starts writing one out and
+  SHARD_STORED waits for it, so a shard is read again only once written.
+Device and host shards are written in place. Staging tensors are allocated
+per fetch; the coordinator bounds their total (CoordinatorConfig.staging_bytes),
+and the swap manager's pool the host buffers of NVMe reads.
 """
 
 from __future__ import annotations
@@ -24,39 +31,62 @@ import torch
 from zcore import _C
 from zcore.errors import InvalidStateError
 from zcore.sharded_group import ShardedGroup
+from zcore.swap import SwapManager
 
 
 class ShardStore:
-    def __init__(self, groups: list[ShardedGroup], tiers: list[_C.ShardTier], pin: bool) -> None:
+    def __init__(
+        self,
+        groups: list[ShardedGroup],
+        tiers: list[_C.ShardTier],
+        pin: bool,
+        swap: Optional[SwapManager] = None,
+    ) -> None:
         """``tiers[g]``: the tier the coordinator put group g on; host shards
-        move to host memory here (page-locked when ``pin``)."""
+        move to host memory here (page-locked when ``pin``), NVMe shards to
+        ``swap``."""
         self._groups = groups
-        self._offloaded = [t != _C.ShardTier.DEVICE for t in tiers]
+        self._tiers = tiers
+        self._swap = swap
         for g, tier in zip(groups, tiers):
             if tier == _C.ShardTier.HOST:
                 host = g.local_shard.to("cpu")
                 g.local_shard = host.pin_memory() if pin else host
-            elif tier != _C.ShardTier.DEVICE:
-                raise InvalidStateError(f"group {g.index} is on tier {tier}, which this store cannot hold yet")
-        self._staged: dict[int, torch.Tensor] = {}  # group -> its shard on the compute device
-        self._copied: dict[int, Optional[torch.cuda.Event]] = {}  # group -> its copy in flight
+            elif tier == _C.ShardTier.NVME:
+                if swap is None:
+                    raise InvalidStateError(f"group {g.index} is on NVMe but the store has no swap manager")
+                self._swap_out_now(g.index, g.local_shard)
+                g.local_shard = None
+        self._staged: dict[int, torch.Tensor] = {}  # group -> its shard where the all-gather reads it
+        self._copied: dict[int, Optional[torch.cuda.Event]] = {}  # group -> its host copy in flight
+        self._reading: dict[int, torch.Tensor] = {}  # group -> the host buffer its NVMe read fills
+        self._incoming: dict[int, torch.Tensor] = {}  # group -> updated values not yet stored
+        self._writing: dict[int, torch.Tensor] = {}  # group -> values being written
         devices = {g.device for g in groups}
         cuda = next((d for d in devices if d.type == "cuda"), None)
-        self._stream = torch.cuda.Stream(cuda) if cuda is not None and any(self._offloaded) else None
+        hosted = any(t == _C.ShardTier.HOST for t in tiers)
+        self._stream = torch.cuda.Stream(cuda) if cuda is not None and hosted else None
+
+    def tier(self, group: int) -> _C.ShardTier:
+        return self._tiers[group]
 
     def source(self, group: int) -> torch.Tensor:
         """The shard an all-gather of ``group`` reads now."""
-        if not self._offloaded[group]:
+        if self._tiers[group] == _C.ShardTier.DEVICE:
             return self._groups[group].local_shard
         staged = self._staged.get(group)
-        if staged is None or group in self._copied:
+        if staged is None or group in self._copied or group in self._reading:
             raise InvalidStateError(
                 f"group {group}'s shard rests off the device and is not staged there: the "
                 "coordinator's plan must fetch it (and wait for it) before its all-gather"
             )
         return staged
 
+    # The coordinator's actions.
     def fetch(self, group: int) -> None:
+        if self._tiers[group] == _C.ShardTier.NVME:
+            self._reading[group] = self._nvme().swap_in(group)
+            return
         g = self._groups[group]
         staged = torch.empty(g.shard_numel, dtype=g.dtype, device=g.device)
         if self._stream is None:
@@ -76,6 +106,13 @@ class ShardStore:
         self._staged[group] = staged
 
     def ready(self, group: int) -> None:
+        if group in self._reading:
+            self._nvme().wait(group)
+            host = self._reading.pop(group)
+            device = self._groups[group].device
+            # The pool buffer goes back once copied: a synchronous copy.
+            self._staged[group] = host if device.type == "cpu" else host.to(device)
+            return
         if group not in self._copied:
             raise InvalidStateError(f"the plan waits for group {group}'s shard, which is not being fetched")
         event = self._copied.pop(group)
@@ -84,3 +121,64 @@ class ShardStore:
 
     def drop(self, group: int) -> None:
         del self._staged[group]
+
+    def store(self, group: int) -> None:
+        values = self._incoming.pop(group, None)
+        if values is None:
+            raise InvalidStateError(f"the plan stores group {group}'s shard, but no new values were written")
+        self._writing[group] = values
+        self._nvme().swap_out(group, values)
+
+    def stored(self, group: int) -> None:
+        try:
+            self._nvme().wait(group)
+        finally:
+            del self._writing[group]
+
+    # Shard values outside the plans (optimizer, checkpoints, GatheredParameters).
+    def read(self, group: int) -> torch.Tensor:
+        """``group``'s shard values now: the resident shard itself (writes to
+        it are the shard's), or a host copy read from NVMe."""
+        if self._tiers[group] != _C.ShardTier.NVME:
+            return self._groups[group].local_shard
+        pending = self._incoming.get(group, self._writing.get(group))
+        if pending is not None:
+            return pending.clone()
+        swap = self._nvme()
+        values = swap.swap_in(group)
+        swap.wait(group)
+        return values
+
+    def write(self, group: int, values: torch.Tensor) -> bool:
+        """Takes ``values`` as ``group``'s shard. True when the shard rests on
+        NVMe: the values are kept (the caller must not change them) until the
+        coordinator's STORE_SHARD and SHARD_STORED for the group ran."""
+        if self._tiers[group] != _C.ShardTier.NVME:
+            self._groups[group].local_shard.copy_(values)
+            return False
+        if group in self._incoming:
+            raise InvalidStateError(f"group {group}'s shard was written twice without being stored in between")
+        shard = self._groups[group]
+        self._incoming[group] = values.detach().to(device="cpu", dtype=shard.dtype, copy=True).contiguous()
+        return True
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of updated NVMe shards held until their writes finish."""
+        held = [*self._incoming.values(), *self._writing.values()]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def close(self) -> None:
+        """Removes the swap file (the shards on NVMe are gone)."""
+        if self._swap is not None:
+            self._swap.close()
+
+    def _swap_out_now(self, group: int, shard: torch.Tensor) -> None:
+        swap = self._nvme()
+        swap.swap_out(group, shard.detach().to("cpu").contiguous())
+        swap.wait(group)
+
+    def _nvme(self) -> SwapManager:
+        if self._swap is None:
+            raise InvalidStateError("no group of this store rests on NVMe")
+        return self._swap

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from zcore.errors import InvalidStateError
 from zcore.partition import Piece, pieces_of
 
 
@@ -58,8 +59,9 @@ class ShardedGroup:
         dtype = params[0].dtype
         self._device = device
         # This rank's shard; on the compute device unless zcore.shard_store
-        # moved it to host memory (parameter offload).
-        self.local_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        # moved it to host memory or NVMe (parameter offload).
+        self._shard: Optional[torch.Tensor] = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        self._dtype = dtype
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
 
     @property
@@ -69,7 +71,26 @@ class ShardedGroup:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.local_shard.dtype
+        return self._dtype
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard in memory (device or host), updated in place."""
+        if self._shard is None:
+            raise InvalidStateError(
+                f"group {self.index}'s shard rests on NVMe, not in memory: read and write it "
+                "through the engine's shard store (zcore.shard_store.ShardStore)"
+            )
+        return self._shard
+
+    @local_shard.setter
+    def local_shard(self, shard: Optional[torch.Tensor]) -> None:
+        """None: the shard now rests on NVMe (zcore.shard_store)."""
+        self._shard = shard
+
+    @property
+    def in_memory(self) -> bool:
+        return self._shard is not None
 
     def take_shard_of(self, param_index: int, full: torch.Tensor) -> None:
         """Copies this rank's part of parameter ``param_index`` from ``full``
@@ -94,6 +115,7 @@ class ShardedGroup:
     def cast_(self, dtype: torch.dtype) -> None:
         if dtype != self.dtype:
             self.local_shard = self.local_shard.to(dtype)
+            self._dtype = dtype
             self._placeholder = self._placeholder.to(dtype)
             self.release_params()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -29,6 +29,16 @@ from zcore.precision import MixedPrecision
 class StepResult:
     skipped: bool  # an overflow (fp16) skipped the update on every rank
     grad_norm: Optional[float]  # global norm before clipping, when computed
+
+
+def pieces_by_param(units: list[Unit], pieces: list[list[torch.nn.Parameter]]) -> dict[int, list[torch.nn.Parameter]]:
+    """The optimizer's pieces of each model parameter (keyed by id), for its groups;
+    ``pieces[u][k]`` stands for ``units[u].pieces[k]``."""
+    out: dict[int, list[torch.nn.Parameter]] = {}
+    for unit, unit_pieces in zip(units, pieces):
+        for meta, piece in zip(unit.pieces, unit_pieces):
+            out.setdefault(id(unit.params[meta.param_index]), []).append(piece)
+    return out
 
 
 class MasterShards:
@@ -51,25 +61,56 @@ class MasterShards:
         ]
 
     def piece_of(self) -> dict[int, list[torch.nn.Parameter]]:
-        """The pieces of each model parameter (keyed by id), for optimizer groups."""
-        out: dict[int, list[torch.nn.Parameter]] = {}
-        for unit, pieces in zip(self.units, self.pieces):
-            for meta, piece in zip(unit.pieces, pieces):
-                out.setdefault(id(unit.params[meta.param_index]), []).append(piece)
-        return out
+        return pieces_by_param(self.units, self.pieces)
 
     def numel(self) -> int:
         return sum(s.numel() for s in self.shards)
+
+
+class UnitShards:
+    """Where the optimizer reads and writes each unit's compute-dtype shard:
+    in the unit's ``local_shard``, in place (stages 0-2, and stage 3 shards
+    in device or host memory)."""
+
+    def resident(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The shard in memory, to be written in place; None when it is not."""
+        return unit.local_shard
+
+    def read(self, unit: Unit) -> torch.Tensor:
+        return unit.local_shard
+
+    def write(self, unit: Unit, values: torch.Tensor) -> None:
+        unit.local_shard.copy_(values)
+
+
+class StoredShards(UnitShards):
+    """Stage 3: shards through the parameter fetcher's shard store, which
+    writes NVMe shards out (zcore.shard_store)."""
+
+    def __init__(self, fetcher: Any) -> None:
+        self.fetcher = fetcher
+
+    def resident(self, unit: Unit) -> Optional[torch.Tensor]:
+        return unit.local_shard if unit.in_memory else None
+
+    def read(self, unit: Unit) -> torch.Tensor:
+        return self.fetcher.read_shard(unit.index)
+
+    def write(self, unit: Unit, values: torch.Tensor) -> None:
+        self.fetcher.write_shard(unit.index, values)
 
 
 class TorchUpdate:
     """The inner torch optimizer updates the master shards where they live;
     the result is then cast into the parameters' shards."""
 
-    def __init__(self, inner: torch.optim.Optimizer, master: MasterShards, reducer: GradientReducer) -> None:
+    def __init__(
+        self, inner: torch.optim.Optimizer, master: MasterShards, reducer: GradientReducer, shards: UnitShards
+    ) -> None:
         self.inner = inner
         self.master = master
         self.reducer = reducer
+        self.shards = shards
         offloaded = any(s.device != u.device for s, u in zip(master.shards, master.units))
         # Offloaded masters need their gradients beside them.
         self.host_grads = (
@@ -82,6 +123,38 @@ class TorchUpdate:
             return shard
         return self.host_grads[unit].copy_(shard)
 
+    def attach_grads(self, used: list[torch.Tensor]) -> None:
+        """Each piece's gradient, where ``used[u]`` flags unit u's
+        parameters that got one. A parameter that got no gradient on any
+        rank keeps grad None, so the optimizer skips it (no decay, no moment
+        update), as torch.optim does."""
+        for u, unit in enumerate(self.master.units):
+            shard = self.grad_source(u)
+            flags = used[u].tolist()  # indexing the tensor costs microseconds per piece
+            for meta, piece in zip(unit.pieces, self.master.pieces[u]):
+                if flags[meta.param_index]:
+                    piece.grad = shard[meta.shard_start : meta.shard_start + meta.numel]
+                else:
+                    piece.grad = None
+
+    def detach_grads(self) -> None:
+        for pieces in self.master.pieces:
+            for piece in pieces:
+                piece.grad = None
+
+    def close(self) -> None:
+        return None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state in memory: fp32 master plus the inner
+        optimizer's state tensors."""
+        total = sum(s.numel() * s.element_size() for s in self.master.shards)
+        for state in self.inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
     def apply(self, coefficient: float) -> None:
         if coefficient != 1.0:
             grads = self.host_grads or [self.reducer.grad_shard(u) for u in range(len(self.master.units))]
@@ -89,7 +162,7 @@ class TorchUpdate:
                 g.mul_(coefficient)
         self.inner.step()
         for unit, shard in zip(self.master.units, self.master.shards):
-            unit.local_shard.copy_(shard)
+            self.shards.write(unit, shard)
 
 
 class FusedCpuUpdate(TorchUpdate):
@@ -97,16 +170,19 @@ class FusedCpuUpdate(TorchUpdate):
     the gradient scale and writing the bf16/fp16 parameters in the same pass;
     the written shards then go to the parameters' device."""
 
-    def __init__(self, inner: CPUAdam, master: MasterShards, reducer: GradientReducer) -> None:
-        super().__init__(inner, master, reducer)
+    def __init__(self, inner: CPUAdam, master: MasterShards, reducer: GradientReducer, shards: UnitShards) -> None:
+        super().__init__(inner, master, reducer, shards)
         compute = master.units[0].dtype if master.units else torch.float32
         self.fused_copy = compute in (torch.bfloat16, torch.float16)
         self.outs: dict[torch.Tensor, torch.Tensor] = {}
         self.staging: list[torch.Tensor] = []
+        self.in_place: list[bool] = []
         for unit, pieces in zip(master.units, master.pieces):
-            local = unit.local_shard
-            staging = local if local.device.type == "cpu" else torch.empty(local.shape, dtype=compute)
+            local = shards.resident(unit)
+            in_place = local is not None and local.device.type == "cpu"
+            staging = local if in_place else torch.empty(unit.shard_numel, dtype=compute)
             self.staging.append(staging)
+            self.in_place.append(in_place)
             for meta, piece in zip(unit.pieces, pieces):
                 self.outs[piece] = staging[meta.shard_start : meta.shard_start + meta.numel]
 
@@ -115,10 +191,9 @@ class FusedCpuUpdate(TorchUpdate):
             super().apply(coefficient)
             return
         self.inner.fused_step(grad_scale=coefficient, params_out=self.outs)
-        for unit, staging in zip(self.master.units, self.staging):
-            local = unit.local_shard
-            if staging is not local:
-                local.copy_(staging)
+        for unit, staging, in_place in zip(self.master.units, self.staging, self.in_place):
+            if not in_place:
+                self.shards.write(unit, staging)
 
 
 class Publisher(Protocol):
@@ -190,7 +265,7 @@ class ShardedOptimizer:
 
     def step(self) -> StepResult:
         scaler = self.precision.scaler
-        self._attach_grads(self.reducer.used_params())
+        self.update.attach_grads(self.reducer.used_params())
         inv_scale = 1.0 / scaler.scale
         norm = None
         if self.gradient_clipping > 0 or scaler.checks_overflow:
@@ -210,18 +285,6 @@ class ShardedOptimizer:
         self._end_step()
         return StepResult(skipped=False, grad_norm=norm)
 
-    def _attach_grads(self, used: list[torch.Tensor]) -> None:
-        # A parameter that got no gradient on any rank keeps grad None, so the
-        # optimizer skips it (no decay, no moment update), as torch.optim does.
-        for u, unit in enumerate(self.units):
-            shard = self.update.grad_source(u)
-            flags = used[u].tolist()  # indexing the tensor costs microseconds per piece
-            for meta, piece in zip(unit.pieces, self.master.pieces[u]):
-                if flags[meta.param_index]:
-                    piece.grad = shard[meta.shard_start : meta.shard_start + meta.numel]
-                else:
-                    piece.grad = None
-
     def _global_norm(self, inv_scale: float) -> float:
         # On the gradients' device: an NCCL group has no CPU collectives.
         squares = torch.zeros((), dtype=torch.float64, device=self.reducer.grad_shard(0).device)
@@ -234,9 +297,7 @@ class ShardedOptimizer:
         return math.sqrt(squares.item()) * inv_scale
 
     def _end_step(self) -> None:
-        for pieces in self.master.pieces:
-            for piece in pieces:
-                piece.grad = None
+        self.update.detach_grads()
         self.reducer.zero_grads()
         self.reducer.end_window()
 
@@ -244,11 +305,10 @@ class ShardedOptimizer:
         self.reducer.zero_grads()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 master plus the inner
-        optimizer's state tensors."""
-        total = sum(s.numel() * s.element_size() for s in self.master.shards)
-        for state in self.inner.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
+        """Bytes of optimizer state in memory on this rank (fp32 master and
+        the inner optimizer's states)."""
+        return self.update.state_bytes()
+
+    def close(self) -> None:
+        """Removes the swap file of optimizer states on NVMe, if any."""
+        self.update.close()

@@ -11,7 +11,7 @@ model itself).
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,10 +61,13 @@ def rows(part: int, parts: int, batch: int = GLOBAL_BATCH) -> slice:
     return slice(part * micro, (part + 1) * micro)
 
 
-def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int) -> dict:
+def train_zcore(
+    rank: int, world: int, model_name: str, config: dict, steps: int, inspect: Optional[Callable] = None
+) -> dict:
     """Trains on this rank's parts of each global batch; returns the mean loss
-    per step (over ranks and micro-steps), the final parameters in fp32 and
-    the engine's memory report."""
+    per step (over ranks and micro-steps), the final parameters in fp32, the
+    engine's memory report and what ``inspect(engine)`` returns; then
+    destroys the engine (its swap files)."""
     engine, _, _, _ = zcore.initialize(model=make_model(model_name), config=config)
     gas = engine.gradient_accumulation_steps()
     batch = engine.train_batch_size()
@@ -85,12 +88,16 @@ def train_zcore(rank: int, world: int, model_name: str, config: dict, steps: int
     gather_stats = engine.gather_stats()  # before the gathering below
     with zcore.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    inspected = None if inspect is None else inspect(engine)
+    memory = engine.memory_report()
+    engine.destroy()
     return {
         "losses": losses,
         "params": params,
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
-        "memory": engine.memory_report(),
+        "memory": memory,
+        "inspected": inspected,
         "optimizer": type(engine.optimizer.inner).__name__,
         "update": type(engine.optimizer.update).__name__,
         "gather_stats": gather_stats,
@@ -161,6 +168,10 @@ def assert_matches(
         assert err <= param_tolerance, f"{label}: parameter {name} off by {err:.2e}"
 
 
+# The optimizer update each offload setting of a variant gets.
+UPDATES = {False: "TorchUpdate", True: "FusedCpuUpdate", "nvme": "SwappedAdamUpdate"}
+
+
 def assert_variants_match(
     results: list[dict], variants: list[tuple], world: int, steps: int, batch: int,
     tolerance: float, param_tolerance: float,
@@ -174,7 +185,7 @@ def assert_variants_match(
         ref = train_reference(model, clip, steps, world, gas, batch=batch)
         tag = f"{label} world {world}"
         assert got["global_steps"] == steps and got["skipped_steps"] == 0, tag
-        assert got["update"] == ("FusedCpuUpdate" if offload else "TorchUpdate"), tag
+        assert got["update"] == UPDATES[offload], tag
         assert_matches(got, ref, tolerance, tag, param_tolerance)
         for other in results[1:]:
             for name, value in other[label]["params"].items():

@@ -23,6 +23,19 @@ from zcore.optim.functional import AdamConfig, adam_step
 from zcore.optim._tensors import FP32, check_tensor
 
 
+def group_config(group: dict[str, Any]) -> AdamConfig:
+    """The hyper-parameters of one of CPUAdam's param_groups (a scheduler
+    may have changed them since the last step)."""
+    return AdamConfig(
+        lr=float(group["lr"]),
+        betas=tuple(float(b) for b in group["betas"]),
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+        maximize=group["maximize"],
+    )
+
+
 class CPUAdam(torch.optim.Optimizer):
     """torch.optim.Adam on zcore's fused CPU kernel.
 
@@ -105,14 +118,7 @@ class CPUAdam(torch.optim.Optimizer):
     ) -> None:
         if group["amsgrad"]:
             raise InvalidArgumentError("amsgrad=True is not supported by zcore's fused Adam")
-        config = AdamConfig(
-            lr=float(group["lr"]),
-            betas=tuple(float(b) for b in group["betas"]),
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            maximize=group["maximize"],
-        )
+        config = group_config(group)
         # Parameters are grouped by step count: one that had no gradient for a
         # while lags behind the others of its group, as in torch.
         by_step: dict[int, list[torch.Tensor]] = defaultdict(list)
