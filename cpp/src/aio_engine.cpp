@@ -22,6 +22,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +31,8 @@
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "aio_internal.h"
 
@@ -40,6 +43,42 @@ std::int64_t round_down(std::int64_t v) { return v / kIoAlignment * kIoAlignment
 std::int64_t round_up(std::int64_t v) { return round_down(v + kIoAlignment - 1); }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+
+// Bytes an unprivileged writer can still use on the filesystem of `path` (of
+// its directory when the file is not there: a create that failed), or -1
+// when the filesystem cannot be asked.
+std::int64_t free_bytes(const std::string& path) {
+  struct statvfs fs {};
+  if (::statvfs(path.c_str(), &fs) != 0) {
+    const auto slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, std::max<std::size_t>(slash, 1));
+    if (::statvfs(dir.c_str(), &fs) != 0) return -1;
+  }
+  return static_cast<std::int64_t>(fs.f_bavail) * static_cast<std::int64_t>(fs.f_frsize);
+}
+
+// aio::io_error, where the request that failed is `required` bytes long (its
+// transfer that failed may be a block of it). ENOSPC also names the bytes the
+// request needs and those free on the filesystem (statvfs at the failure).
+Error transfer_error(const char* what, const std::string& path, std::int64_t offset, std::int64_t bytes,
+                     int err, std::int64_t required) {
+  std::vector<std::pair<std::string, ErrorDetail>> details{
+      {"path", path}, {"offset", offset}, {"bytes", bytes}, {"errno", std::int64_t{err}}};
+  std::string message = std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
+                        std::to_string(offset) + " of " + path + " failed: " + errno_text(err);
+  if (err != ENOSPC && err != EDQUOT && err != EFBIG) {
+    return Error(StatusCode::kIoError, message, std::move(details));
+  }
+  const std::int64_t available = err == ENOSPC ? free_bytes(path) : -1;
+  if (available >= 0) {
+    message += "; the request needs " + std::to_string(required) + " bytes, its filesystem has " +
+               std::to_string(available) + " bytes free";
+    details.emplace_back("required", required);
+    details.emplace_back("available", available);
+  }
+  message += "; free space on that filesystem or choose another directory";
+  return Error(StatusCode::kNoSpace, message, std::move(details));
+}
 
 void check_config(const AioConfig& c) {
   if (c.block_size <= 0 || c.block_size % kIoAlignment != 0) {
@@ -164,12 +203,7 @@ namespace aio {
 
 Error io_error(const char* what, const std::string& path, std::int64_t offset, std::int64_t bytes,
                int err) {
-  const bool no_space = err == ENOSPC || err == EDQUOT || err == EFBIG;
-  std::string message = std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
-                        std::to_string(offset) + " of " + path + " failed: " + errno_text(err);
-  if (no_space) message += "; free space on that filesystem or choose another directory";
-  return Error(no_space ? StatusCode::kNoSpace : StatusCode::kIoError, message,
-               {{"path", path}, {"offset", offset}, {"bytes", bytes}, {"errno", std::int64_t{err}}});
+  return transfer_error(what, path, offset, bytes, err, bytes);
 }
 
 std::vector<Block> plan_blocks(IoOp op, std::uintptr_t buffer, std::int64_t offset,
@@ -377,8 +411,8 @@ bool QueuedEngine::on_transfer(Work& work, std::int64_t result, const unsigned c
   const bool read = io.op == IoOp::kRead;
   const Block& b = work.block;
   if (result < 0) {
-    fail(r, io_error(read ? "read" : "write", io.path, work.position(), work.remaining(),
-                     static_cast<int>(-result)));
+    fail(r, transfer_error(read ? "read" : "write", io.path, work.position(), work.remaining(),
+                           static_cast<int>(-result), io.bytes));
     finish_block(work);
     return false;
   }
@@ -416,7 +450,8 @@ bool QueuedEngine::on_transfer(Work& work, std::int64_t result, const unsigned c
                    {"bytes", io.bytes},
                    {"request_offset", io.offset}}));
   } else {
-    fail(r, io_error("write", io.path, work.position(), work.remaining(), result > 0 ? EIO : ENOSPC));
+    fail(r, transfer_error("write", io.path, work.position(), work.remaining(), result > 0 ? EIO : ENOSPC,
+                           io.bytes));
   }
   finish_block(work);
   return false;

@@ -214,12 +214,15 @@ OwnedFile create_owned_file(const SwapConfig& c) {
                         path, err);
 }
 
-// Runs after the leftovers are removed, so their space counts as free.
+// Runs after the leftovers are removed, so their space counts as free. A
+// filesystem that reports no size (f_blocks 0: ramfs, some FUSE) reports no
+// free space either, and is not checked.
 void check_free_space(const SwapConfig& c) {
   struct statvfs fs {};
   if (::statvfs(c.directory.c_str(), &fs) != 0) {
     throw directory_error("cannot query free space of", c.directory, errno);
   }
+  if (fs.f_blocks == 0) return;
   const auto available = static_cast<std::int64_t>(fs.f_bavail * fs.f_frsize);
   if (available < c.capacity) {
     throw Error(StatusCode::kNoSpace,

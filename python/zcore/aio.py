@@ -15,7 +15,9 @@ host before it returns; a pread copies to the device in ``wait()``).
 Failures raise :class:`zcore.DiskFullError`, :class:`zcore.DiskIOError`,
 :class:`zcore.ShortReadError` (from ``wait()``) or
 :class:`zcore.FileTooSmallError` (from ``pread``), with ``path``, ``offset``
-and ``errno`` attributes.
+and ``errno`` attributes; a full disk (ENOSPC) also names the bytes the
+request needs (``required``) and those free on the filesystem when it
+failed (``available``).
 """
 
 from __future__ import annotations

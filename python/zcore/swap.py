@@ -30,8 +30,18 @@ filesystem whose locks all hosts see (NFS with its lock manager, Lustre with
 The constructor refuses, before any training, a directory it cannot write
 (:class:`zcore.DiskIOError`) or one whose filesystem has less than
 ``capacity`` bytes free once leftovers are removed
-(:class:`zcore.DiskFullError`). ``close()`` (or leaving the ``with`` block)
-removes the swap file.
+(:class:`zcore.DiskFullError`). Where the directory refuses O_DIRECT (ramfs;
+tmpfs before Linux 6.6), the swap file's I/O goes through the page cache and
+the constructor says so in one INFO line on the ``zcore`` logger. ``close()``
+(or leaving the ``with`` block) removes the swap file.
+
+The file is not preallocated: it grows as keys are first written. A
+swap-out that needs new blocks on a disk that filled up since (or any
+overwrite on a copy-on-write filesystem) fails its ``wait`` with
+:class:`zcore.DiskFullError` naming the file, the bytes the write needs
+(``required``) and those free (``available``). A failed swap-out forgets
+the key (the bytes it had on disk are lost): a later ``swap_in`` of it
+raises that failure again, naming the key.
 
 The swap file is checked to be the one created (device and inode) before
 each I/O and after it: if it was deleted (a tmp cleaner) or replaced,
@@ -65,7 +75,7 @@ from zcore._staging import (
     make_pool,
     nbytes,
 )
-from zcore.errors import InvalidArgumentError
+from zcore.errors import InvalidArgumentError, ZcoreError
 from zcore.host_memory import LockMode
 
 log = logging.getLogger("zcore")
@@ -87,6 +97,23 @@ class _InFlight:
     tensor: torch.Tensor
     staging: Staging | None
     finish: Callable[[], None] | None
+    writing: bool  # a swap-out: the native manager drops the key if it fails
+
+
+@dataclass(frozen=True)
+class _FailedSwapOut:
+    """Why a key was forgotten (its swap-out failed), without the traceback
+    and the tensors it references."""
+
+    error: type[ZcoreError]
+    message: str
+    details: dict
+
+    def again(self, key: int) -> ZcoreError:
+        return self.error(
+            f"key {key} cannot be swapped in: its swap-out failed, so its bytes are lost ({self.message})",
+            **{**self.details, "key": key},
+        )
 
 
 def _log_leftovers(native: _C.SwapManager, directory: str) -> None:
@@ -98,6 +125,17 @@ def _log_leftovers(native: _C.SwapManager, directory: str) -> None:
             native.stats().leftover_bytes_removed,
             directory,
         )
+
+
+def _log_page_cache(native: _C.SwapManager, directory: str, backend: BackendName) -> None:
+    if backend != "auto" or native.backend != _C.IoBackend.THREADPOOL:
+        return
+    why = (
+        f"the filesystem of {directory} refuses O_DIRECT, or libaio cannot be set up"
+        if _C.libaio_compiled()
+        else "this build of zcore has no libaio"
+    )
+    log.info("swap file %s: I/O goes through the page cache, not O_DIRECT (%s)", native.path, why)
 
 
 def _default_rank() -> int:
@@ -142,7 +180,9 @@ class SwapManager:
         self._finalizer = weakref.finalize(self, self._native.close)
         self._layouts: dict[int, _Layout] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        self._failed: dict[int, _FailedSwapOut] = {}  # keys forgotten because their swap-out failed
         _log_leftovers(self._native, config.directory)
+        _log_page_cache(self._native, config.directory, backend)
 
     @property
     def path(self) -> str:
@@ -187,7 +227,8 @@ class SwapManager:
             address = staging.address
         self._native.swap_out(key, address, size)
         self._layouts[key] = _Layout(tensor.shape, tensor.dtype, tensor.device)
-        self._in_flight[key] = _InFlight(tensor, staging, None)
+        self._in_flight[key] = _InFlight(tensor, staging, None, writing=True)
+        self._failed.pop(key, None)
 
     def swap_in(self, key: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Starts reading ``key`` back; returns the tensor being filled.
@@ -197,6 +238,9 @@ class SwapManager:
         """
         layout = self._layouts.get(key)
         if layout is None:
+            failed = self._failed.get(key)
+            if failed is not None:
+                raise failed.again(key)
             raise InvalidArgumentError(f"key {key} is not swapped out; swap it out first", key=key)
         if out is None:
             out = self._new_tensor(layout)
@@ -210,7 +254,7 @@ class SwapManager:
         size = nbytes(out)
         if out.device.type != "cuda":
             self._native.swap_in(key, out.data_ptr(), size)
-            self._in_flight[key] = _InFlight(out, None, None)
+            self._in_flight[key] = _InFlight(out, None, None, writing=False)
             return out
         staging = Staging(self._pool, size)
         self._native.swap_in(key, staging.address, size)
@@ -219,7 +263,7 @@ class SwapManager:
         def to_device() -> None:
             as_bytes(target).copy_(staging.bytes)
 
-        self._in_flight[key] = _InFlight(out, staging, to_device)
+        self._in_flight[key] = _InFlight(out, staging, to_device, writing=False)
         return out
 
     def poll(self, key: int) -> bool:
@@ -229,17 +273,21 @@ class SwapManager:
     def wait(self, key: int) -> None:
         """Waits for the I/O of ``key`` (GIL released) and raises its error.
 
-        A failed swap-out forgets the key (what was on disk before is lost);
-        other keys are unaffected.
+        A failed swap-out forgets the key (what was on disk before is lost;
+        a later ``swap_in`` of it raises the failure again); other keys are
+        unaffected.
         """
         flight = self._in_flight.pop(key, None)
         try:
             self._native.wait(key)
-            if flight is not None and flight.finish is not None:
-                flight.finish()
-        finally:
-            if key not in self:
+        except ZcoreError as exc:
+            if flight is not None and flight.writing:
+                # The native manager dropped the key: its extent holds partial bytes.
                 self._layouts.pop(key, None)
+                self._failed[key] = _FailedSwapOut(type(exc), str(exc), dict(exc.details))
+            raise
+        if flight is not None and flight.finish is not None:
+            flight.finish()
 
     def wait_all(self) -> None:
         """Waits for every key; raises the first failure after all finished."""
@@ -254,6 +302,8 @@ class SwapManager:
 
     def release(self, key: int) -> None:
         """Forgets ``key`` and frees its swap space for reuse."""
+        if self._failed.pop(key, None) is not None:
+            return  # the native manager already forgot it
         self._native.release(key)
         self._layouts.pop(key, None)
 
@@ -303,6 +353,7 @@ class SwapManager:
         self._finalizer()
         self._in_flight.clear()
         self._layouts.clear()
+        self._failed.clear()
 
     def __enter__(self) -> SwapManager:
         return self

@@ -1,10 +1,13 @@
 // The swap manager: round trips through the swap file, its extent allocation
 // (placement, reuse of freed extents, coalescing, a full swap space), the
 // per-id state machine, the directory checks made before training, and
-// sharing a directory (unique files, the ownership lock, removal of leftovers).
+// sharing a directory (unique files, the ownership lock, removal of leftovers),
+// and filesystems mounted for a test (root only): one that fills up, one that
+// reports no size.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,12 +16,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <regex>
 #include <set>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -79,6 +84,44 @@ class SwapTest : public ::testing::Test {
   zcore::testing_support::ScratchDir scratch_;
   fs::path dir_;
 };
+
+// A filesystem of `type` mounted at `target` for one test, detached at the
+// end; ok() is false (why() says why) where this process may not mount.
+class Mounted {
+ public:
+  Mounted(const fs::path& target, const char* type, const char* options) : target_(target) {
+    fs::create_directories(target_);
+    if (::geteuid() != 0) {
+      why_ = std::string("mounting a ") + type + " filesystem needs root";
+    } else if (::mount(type, target_.c_str(), type, 0, options) != 0) {
+      why_ = std::string("cannot mount ") + type + " here: " + std::strerror(errno);
+    }
+  }
+  ~Mounted() {
+    if (ok()) ::umount2(target_.c_str(), MNT_DETACH);
+  }
+  Mounted(const Mounted&) = delete;
+  Mounted& operator=(const Mounted&) = delete;
+
+  bool ok() const { return why_.empty(); }
+  const std::string& why() const { return why_; }
+
+ private:
+  fs::path target_;
+  std::string why_;
+};
+
+// Writes zeros to `path` until its filesystem is full.
+void fill_up(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::vector<char> zeros(4096, 0);
+  while (::write(fd, zeros.data(), zeros.size()) > 0) {
+  }
+  const int err = errno;
+  ::close(fd);
+  ASSERT_EQ(err, ENOSPC);
+}
 
 TEST_F(SwapTest, RoundTripsSeveralIdsInFlightTogether) {
   SwapManager swap(config(16 << 20));
@@ -167,6 +210,68 @@ TEST_F(SwapTest, FullSwapSpaceIsNoSpaceAndReleasingMakesRoom) {
   swap.release(1);
   swap.swap_out(2, buf.data(), 100 << 10);
   swap.wait(2);
+}
+
+// The swap file grows as extents are first written (it is not preallocated):
+// a disk that filled up since the constructor's check fails that swap-out with
+// kNoSpace naming the file, the bytes needed and the bytes free, drops the id,
+// and leaves the others readable. For both backends.
+TEST_F(SwapTest, SwapOutOnAFullFilesystemIsNoSpaceNamingNeededAndFreeBytes) {
+  for (const IoBackend backend : {IoBackend::kAuto, IoBackend::kThreadPool}) {
+    const fs::path small = dir_ / ("small-" + std::to_string(static_cast<int>(backend)));
+    Mounted mounted(small, "tmpfs", "size=1m");
+    if (!mounted.ok()) GTEST_SKIP() << mounted.why();
+    SwapConfig c = config(512 << 10);
+    c.directory = small.string();
+    c.io.backend = backend;
+    SwapManager swap(c);
+    const auto kept = random_bytes(64 << 10, 1);
+    swap.swap_out(0, kept.data(), 64 << 10);
+    swap.wait(0);
+    ASSERT_NO_FATAL_FAILURE(fill_up((small / "filler").string()));
+
+    const std::vector<unsigned char> big(256 << 10, 7);
+    swap.swap_out(1, big.data(), 256 << 10);
+    const Error e = error_of([&] { swap.wait(1); });
+    ASSERT_EQ(e.code(), StatusCode::kNoSpace) << e.what();
+    std::map<std::string, zcore::ErrorDetail> details(e.details().begin(), e.details().end());
+    EXPECT_EQ(std::get<std::string>(details.at("path")), swap.path());
+    EXPECT_EQ(std::get<std::int64_t>(details.at("errno")), ENOSPC);
+    EXPECT_EQ(std::get<std::int64_t>(details.at("required")), 256 << 10);
+    const std::int64_t available = std::get<std::int64_t>(details.at("available"));
+    EXPECT_GE(available, 0);
+    EXPECT_LT(available, 256 << 10);
+    const std::string message = e.what();
+    EXPECT_NE(message.find(swap.path()), std::string::npos) << message;
+    EXPECT_NE(message.find("needs 262144 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find(std::to_string(available) + " bytes free"), std::string::npos) << message;
+
+    EXPECT_FALSE(swap.contains(1));
+    std::vector<unsigned char> back(64 << 10);
+    swap.swap_in(0, back.data(), 64 << 10);
+    swap.wait(0);
+    EXPECT_EQ(back, kept);
+  }
+}
+
+// ramfs reports no size (statvfs f_blocks 0, so no free blocks either) and
+// refuses O_DIRECT: the constructor does not take it for full, and the swap
+// file's I/O goes through the page cache.
+TEST_F(SwapTest, AcceptsAFilesystemThatReportsNoSize) {
+  Mounted mounted(dir_ / "ramfs", "ramfs", "mode=755");
+  if (!mounted.ok()) GTEST_SKIP() << mounted.why();
+  SwapConfig c = config(1 << 20);
+  c.directory = (dir_ / "ramfs").string();
+  SwapManager swap(c);
+  EXPECT_EQ(swap.engine().backend(), IoBackend::kThreadPool);
+  EXPECT_FALSE(swap.engine().backend_reason().empty());
+  const auto data = random_bytes(100000, 2);
+  swap.swap_out(1, data.data(), 100000);
+  swap.wait(1);
+  std::vector<unsigned char> back(100000);
+  swap.swap_in(1, back.data(), 100000);
+  swap.wait(1);
+  EXPECT_EQ(back, data);
 }
 
 TEST_F(SwapTest, StateMachineRefusesOverlappingUse) {

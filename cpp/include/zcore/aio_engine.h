@@ -20,7 +20,9 @@
 //
 // Error contract: a request's failure is raised by wait() as zcore::Error
 // with the path, the offset and errno in its details:
-//   kNoSpace       ENOSPC / EDQUOT / EFBIG on a write
+//   kNoSpace       ENOSPC / EDQUOT / EFBIG on a write; ENOSPC also names
+//                  `required` (the request's bytes) and `available` (bytes
+//                  free on the filesystem when it failed, from statvfs)
 //   kIoError       any other failed read or write (EIO, ...), or open failure
 //   kShortRead     the file ended before the bytes asked for (truncated under
 //                  a pending read)

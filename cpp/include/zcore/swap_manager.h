@@ -40,7 +40,12 @@
 // The constructor checks the directory before training starts: it must exist,
 // accept a new file (kIoError naming the path and errno otherwise: EACCES,
 // EROFS, ...), and its filesystem must have `capacity` bytes free once the
-// leftovers are removed (kNoSpace with `required` and `available`). close()
+// leftovers are removed (kNoSpace with `required` and `available`; not checked
+// where the filesystem reports no size, like ramfs). The file is not
+// preallocated: it grows as extents are first written, so a swap-out that
+// needs new blocks (a first write, or any write on a copy-on-write
+// filesystem) can still fail with kNoSpace when the disk has filled since;
+// the error then names the swap file, `required` and `available`. close()
 // (or the destructor) waits for pending I/O, removes the swap file and
 // releases the lock.
 //
