@@ -19,10 +19,10 @@ import torch
 from zcore import checkpoint
 from zcore.comm import DistributedContext
 from zcore.config import Config
-from zcore.errors import CheckpointError, InvalidStateError
+from zcore.errors import DiskIOError, InvalidStateError
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
-from zcore.policies import Policies, Tier
+from zcore.policies import Policies
 from zcore.sharded_optimizer import Publisher, ShardedOptimizer
 
 log = logging.getLogger("zcore")
@@ -40,10 +40,14 @@ class ParamResidency(Protocol):
     def abort(self) -> None:
         """After an exception in forward or backward."""
 
+    def abort_after(self, exc: BaseException) -> None:
+        """``abort``, whose own failure is noted on ``exc`` rather than raised."""
+
     def stats(self) -> Any: ...
 
     def stored_tensors(self) -> list[torch.Tensor]:
-        """What holds parameters between uses (for the memory report)."""
+        """What holds parameters between uses (the memory report's parameter
+        bytes in stages 0-2; in stage 3 it asks the fetcher, tier by tier)."""
 
     def reload(self) -> None:
         """After a checkpoint load replaced the shards: parameters take them."""
@@ -77,6 +81,9 @@ class ResidentParams:
     def abort(self) -> None:
         return None
 
+    def abort_after(self, exc: BaseException) -> None:
+        return None
+
     def stats(self) -> None:
         return None
 
@@ -99,7 +106,7 @@ class Engine:
     def __init__(
         self,
         module: torch.nn.Module,
-        optimizer: ShardedOptimizer,
+        optimizer: Optional[ShardedOptimizer],
         lr_scheduler: Any,
         config: Config,
         policies: Policies,
@@ -130,7 +137,11 @@ class Engine:
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_broken()
-        return self.residency.forward(self.module, args, kwargs)
+        try:
+            return self.residency.forward(self.module, args, kwargs)
+        except DiskIOError as exc:
+            self._broken = f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+            raise
 
     forward = __call__
 
@@ -154,13 +165,16 @@ class Engine:
                 f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
             )
         self._refuse_if_broken()
-        reducer = self.optimizer.reducer
+        optimizer = self._trainer("backward")
+        reducer = optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
-        factor = self.optimizer.loss_scale / self.batch.gradient_accumulation_steps
+        factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
         try:
             (loss * factor if factor != 1.0 else loss).backward()
-        except BaseException:
-            self.residency.abort()
+        except BaseException as exc:
+            self.residency.abort_after(exc)
+            if isinstance(exc, DiskIOError):
+                self._broken = f"the backward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
             raise
         self.residency.end_step()
         reducer.end_backward()
@@ -169,16 +183,17 @@ class Engine:
 
     def step(self) -> None:
         """Steps the optimizer at an accumulation boundary; counts the micro-step."""
+        self._refuse_if_broken()
+        optimizer = self._trainer("step")
         if self.micro_step_phase is not MicroStep.AWAITING_STEP:
             raise InvalidStateError(
                 "engine.step() was called without engine.backward(loss) since the last step, which "
                 "would count a micro-step that has no gradients; call engine.backward(loss) first "
                 "(every micro-batch: forward, backward, step)"
             )
-        self._refuse_if_broken()
         if self.is_gradient_accumulation_boundary():
             try:
-                result = self.optimizer.step()
+                result = optimizer.step()
             except BaseException as exc:
                 self._broken = f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
                 raise
@@ -188,7 +203,7 @@ class Engine:
                 log.info(
                     "step %d skipped: gradient overflow; loss scale now %g",
                     self.global_steps,
-                    self.optimizer.loss_scale,
+                    optimizer.loss_scale,
                 )
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -199,11 +214,20 @@ class Engine:
                     "step %d: lr %s, loss scale %g, skipped %d",
                     self.global_steps,
                     self.get_lr(),
-                    self.optimizer.loss_scale,
+                    optimizer.loss_scale,
                     self.skipped_steps,
                 )
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+
+    def _trainer(self, doing: str) -> ShardedOptimizer:
+        if self.optimizer is None:
+            raise InvalidStateError(
+                f"engine.{doing}: this engine has no optimizer (zcore.initialize got none and the config "
+                "has no 'optimizer' section), so it runs forward passes and generation only; give "
+                "zcore.initialize an optimizer to train"
+            )
+        return self.optimizer
 
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
@@ -221,11 +245,11 @@ class Engine:
 
     # What DeepSpeed users query.
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self._trainer("get_lr").param_groups]
 
     @property
     def loss_scale(self) -> float:
-        return self.optimizer.loss_scale
+        return self._trainer("loss_scale").loss_scale
 
     @property
     def zero_stage(self) -> int:
@@ -252,17 +276,10 @@ class Engine:
         try:
             self.residency.close()
         finally:
-            self.optimizer.close()
+            if self.optimizer is not None:
+                self.optimizer.close()
 
     # Checkpoints (zcore.checkpoint).
-    def _refuse_nvme(self, doing: str) -> None:
-        offload = self.policies.offload
-        if Tier.NVME in (offload.parameters, offload.optimizer):
-            raise CheckpointError(
-                f"{doing} does not read states on NVMe yet (offload_param or offload_optimizer "
-                "device 'nvme'); train with device 'cpu' to checkpoint"
-            )
-
     def save_checkpoint(
         self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None
     ) -> Path:
@@ -271,7 +288,7 @@ class Engine:
         ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
         every rank, at an accumulation boundary. Returns the tag directory."""
         self._refuse_if_broken()
-        self._refuse_nvme("save_checkpoint")
+        self._trainer("save_checkpoint")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(
@@ -285,7 +302,6 @@ class Engine:
         """Loads a checkpoint saved at any world size, stage or offload
         setting (the tag in ``load_dir/latest`` by default). Returns (tag
         directory, client_state), or (None, None) when there is no latest."""
-        self._refuse_nvme("load_checkpoint")
         loaded = checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
@@ -305,16 +321,10 @@ class Engine:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an
         empty dict on the other ranks. Call it on every rank."""
-        self._refuse_nvme("full_state_dict")
         return checkpoint.full_state_dict(self, dtype)
 
     def memory_report(self) -> MemoryReport:
         """Bytes per rank held for parameters, gradients, optimizer states and
-        buffers: measured, beside what the stage's layout predicts."""
-        return measure_memory(
-            self.module,
-            self.optimizer,
-            self.zero_stage,
-            self.context.world_size,
-            self.residency.stored_tensors(),
-        )
+        buffers on each tier (device, host, NVMe): measured, beside what the
+        stage's layout and the offload policy predict."""
+        return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device)

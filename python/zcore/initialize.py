@@ -13,7 +13,7 @@ import functools
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -27,11 +27,11 @@ from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
 from zcore.host_memory import PAGE_ALIGNMENT
-from zcore.policies import OffloadPolicy, StagePolicy, Tier, policies_from_config
+from zcore.policies import OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.optim import CPUAdam
-from zcore.sharded_group import ShardedGroup, build_groups, plan_groups
+from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
 from zcore.sharded_optimizer import (
     FusedCpuUpdate,
     GatherUnits,
@@ -69,7 +69,7 @@ def initialize(
     lr_scheduler: Any = None,
     collate_fn: Optional[Callable] = None,
     meta_init: Optional[MetaInit] = None,
-) -> tuple[Engine, ShardedOptimizer, Optional[torch.utils.data.DataLoader], Any]:
+) -> tuple[Engine, Optional[ShardedOptimizer], Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the
@@ -80,12 +80,18 @@ def initialize(
     receives parameter groups and returns an optimizer. A model built on
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
+
+    With no optimizer at all (none passed, none configured), the engine is
+    for forward passes and generation only (ZeRO-Inference): parameters are
+    placed, sharded and offloaded as for training, the optimizer returned is
+    None, and backward, step and save_checkpoint are refused.
     """
     _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init)
     _refuse_wrapped(model)
     cfg = load_config(config)
+    if optimizer is None and cfg.optimizer is None:
+        _check_inference(cfg, model_parameters, lr_scheduler)
     context = comm.init_distributed()
-    batch = BatchSizes(*cfg.batch_sizes(context.world_size))
     precision = precision_from_config(cfg)
     policies = policies_from_config(cfg, context)
 
@@ -96,21 +102,30 @@ def initialize(
             f"shard); set zero_optimization.stage to 3 (it is {cfg.zero_optimization.stage}) or "
             "build the model on a real device"
         )
+    meta = (meta_init or MetaInit()) if on_meta else None
+    if optimizer is None and cfg.optimizer is None:
+        engine = _inference_engine(model, cfg, context, precision, policies, meta)
+        _WRAPPED.add(model)
+        return engine, None, _data_loader(training_data, engine.batch, context, collate_fn), None
+    batch = BatchSizes(*cfg.batch_sizes(context.world_size))
+    offload = policies.offload
+    master: Union[MasterShards, SwappedMaster]
     if policies.stage.shards_parameters:
         groups = collect_param_groups(model, optimizer, model_parameters)
-        sharded_groups, hooked = _shard(model, context, (meta_init or MetaInit()) if on_meta else None)
+        plan, sharded_groups, hooked = _plan_shards(model, context, precision)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
-        layouts: list = sharded_groups
+        fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, context, policies)
+        master = _master(units, offload, context)
+        _fill(plan, sharded_groups, context, meta, fetcher, master, units)
+        layouts: list = []  # placed in the compute dtype already
     else:
         _place_and_synchronise(model, context)
         groups = collect_param_groups(model, optimizer, model_parameters)
         units = layouts = _pack(groups, cfg, policies.stage, context.device)
-    offload = policies.offload
-    master: Union[MasterShards, SwappedMaster]
-    if offload.optimizer is Tier.NVME:
-        master = _swapped_master(units, offload)
-    else:
-        master = MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
+        master = _master(units, offload, context)
+        for u, unit in enumerate(units):
+            master.take(u, unit.local_shard)
+        master.finish()
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
@@ -119,19 +134,8 @@ def initialize(
     residency: ParamResidency
     publisher: Publisher
     if policies.stage.shards_parameters:
-        zero = cfg.zero_optimization
-        fetcher = ParamFetcher(
-            model, sharded_groups, hooked, coordinator_config(zero), context.world_size, policies.offload,
-            check_every_module=zero.stage3_rank_agreement_check == "every_module",
-            swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
-        )
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
-        handles += hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
-        handles += hooks.register_backward_exit_hooks(fetcher)
-        gathered_parameters.track(fetcher)
-        for module in model.modules():
-            for param in gathered_parameters.pending_external(module):
-                gathered_parameters.add_external(fetcher, module, param)
+        handles += fetcher_hooks
         residency = publisher = fetcher
         shards: UnitShards = StoredShards(fetcher)
     else:
@@ -154,6 +158,81 @@ def initialize(
     _WRAPPED.add(model)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
+
+
+def _check_inference(cfg: Config, model_parameters: Optional[Iterable], lr_scheduler: Any) -> None:
+    """No optimizer, passed or configured: an engine for forward passes and
+    generation only (ZeRO-Inference). What only training uses is refused."""
+    given = [
+        name for name, value in (
+            ("model_parameters", model_parameters),
+            ("lr_scheduler", lr_scheduler),
+            ("the config's 'scheduler' section", cfg.scheduler),
+        ) if value is not None
+    ]
+    if cfg.zero_optimization.offload_optimizer.device != "none":
+        given.append(f"zero_optimization.offload_optimizer.device = {cfg.zero_optimization.offload_optimizer.device!r}")
+    if given:
+        raise ConfigError(
+            f"zcore.initialize got no optimizer (none passed, no 'optimizer' section in the config), "
+            f"which makes an engine for inference only, but also {', '.join(given)}, which only "
+            "training uses: add an optimizer to train, or remove them"
+        )
+
+
+def _inference_engine(
+    model: torch.nn.Module,
+    cfg: Config,
+    context: comm.DistributedContext,
+    precision: MixedPrecision,
+    policies: Policies,
+    meta_init: Optional[MetaInit],
+) -> Engine:
+    """ZeRO-Inference: parameters placed as the stage says (stage 3: sharded,
+    on the tier offload_param names, gathered for each module's forward),
+    in the compute dtype; no gradients, master weights or optimizer."""
+    given = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    if any(v is not None for v in given):
+        batch = BatchSizes(*cfg.batch_sizes(context.world_size))
+    else:  # a batch size only sizes the data loader here
+        batch = BatchSizes(context.world_size, 1, 1)
+    residency: ParamResidency
+    handles: list = []
+    if policies.stage.shards_parameters:
+        plan, groups, hooked = _plan_shards(model, context, precision)
+        fetcher, handles = _fetcher(model, groups, hooked, cfg, context, policies)
+        _fill(plan, groups, context, meta_init, fetcher)
+        _cast_model(model, [], precision)
+        residency = fetcher
+    else:
+        _place_and_synchronise(model, context)
+        _cast_model(model, [], precision)
+        residency = ResidentParams([], KeepUnits())
+    return Engine(model, None, None, cfg, policies, context, batch, residency, handles)
+
+
+def _fetcher(
+    model: torch.nn.Module,
+    groups: list[ShardedGroup],
+    hooked: list[tuple[torch.nn.Module, list[int]]],
+    cfg: Config,
+    context: comm.DistributedContext,
+    policies: Policies,
+) -> tuple[ParamFetcher, list]:
+    """Stage 3's parameter fetcher over the groups, with its module hooks."""
+    zero, offload = cfg.zero_optimization, policies.offload
+    fetcher = ParamFetcher(
+        model, groups, hooked, coordinator_config(zero), context.world_size, offload,
+        check_every_module=zero.stage3_rank_agreement_check == "every_module",
+        swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
+    )
+    handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
+    handles += hooks.register_backward_exit_hooks(fetcher)
+    gathered_parameters.track(fetcher)
+    for module in model.modules():
+        for param in gathered_parameters.pending_external(module):
+            gathered_parameters.add_external(fetcher, module, param)
+    return fetcher, handles
 
 
 def _check_arguments(
@@ -208,35 +287,63 @@ def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedCont
             comm.broadcast_from_rank0([*model.parameters(), *model.buffers()])
 
 
-def _shard(
-    model: torch.nn.Module, context: comm.DistributedContext, meta_init: Optional[MetaInit]
-) -> tuple[list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
-    """Stage 3: every module's parameters into sharded groups, one module at
-    a time, starting from rank 0's values (or materialised from the meta
-    device, identically on every rank); buffers go to the device whole."""
+def _plan_shards(
+    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision
+) -> tuple[GroupPlan, list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
+    """Stage 3: which parameters form which group, and the groups (without
+    values: ``_fill`` gives them); buffers go to the device whole, rank 0's
+    on every rank."""
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             setattr(module, name, buf.to(context.device))
     if context.world_size > 1:
         with torch.no_grad():
             comm.broadcast_from_rank0([b for b in model.buffers()])
+    plan = plan_groups(model)
+    groups, hooked = build_groups(plan, context.world_size, context.rank, context.device, precision.compute_dtype)
+    return plan, groups, hooked
+
+
+def _fill(
+    plan: GroupPlan,
+    groups: list[ShardedGroup],
+    context: comm.DistributedContext,
+    meta_init: Optional[MetaInit],
+    fetcher: ParamFetcher,
+    master: Optional[Union[MasterShards, SwappedMaster]] = None,
+    units: Sequence[Unit] = (),
+) -> None:
+    """Stage 3: each group's shard, one module at a time, from rank 0's
+    values (or materialised from the meta device, identically on every
+    rank): its trained values to the master first, then, in the compute
+    dtype, to the tier its shard rests on. Memory holds one module's full
+    parameters and one sub-group of optimizer states beyond the shards that
+    stay in memory."""
+    unit_of = {g.index: u for u, g in enumerate(units)}
+
+    def place(group: ShardedGroup, values: torch.Tensor) -> None:
+        u = unit_of.get(group.index)
+        if master is not None and u is not None:
+            master.take(u, values)
+        fetcher.place_shard(group, values)
+
     materialise = None
     if meta_init is not None:
         materialise = functools.partial(meta_init.materialise, device=context.device)
-    return build_groups(
-        plan_groups(model),
-        context.world_size,
-        context.rank,
-        context.device,
-        synchronise=context.world_size > 1 and meta_init is None,
-        materialise=materialise,
-    )
+    fill_groups(plan, groups, context.world_size > 1 and meta_init is None, place, materialise)
+    if master is not None:
+        master.finish()
 
+
+def _master(units: list[Unit], offload: OffloadPolicy, context: comm.DistributedContext) -> Union[MasterShards, SwappedMaster]:
+    if offload.optimizer is Tier.NVME:
+        return _swapped_master(units, offload)
+    return MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
 
 
 def _swapped_master(units: list[Unit], offload: OffloadPolicy) -> SwappedMaster:
     """Optimizer states on NVMe: sub-groups sized for the host memory they
-    pass through, written out once here (zcore.swapped_optimizer)."""
+    pass through (zcore.swapped_optimizer); their values come by take()."""
     assert offload.optimizer_swap is not None
     total = sum(p.numel for u in units for p in u.pieces)
     size = sub_group_elements(
@@ -245,10 +352,11 @@ def _swapped_master(units: list[Unit], offload: OffloadPolicy) -> SwappedMaster:
     )
     sub_groups = plan_sub_groups(units, size)
     largest = max((s.nbytes for s in sub_groups), default=PAGE_ALIGNMENT)
-    swap = offload.optimizer_swap.open(
-        "optimizer", swap_capacity(sub_groups), offload.optimizer_buffers * (largest + PAGE_ALIGNMENT)
+    open_swap = functools.partial(
+        offload.optimizer_swap.open,
+        "optimizer", swap_capacity(sub_groups), offload.optimizer_buffers * (largest + PAGE_ALIGNMENT),
     )
-    return SwappedMaster(units, sub_groups, swap)
+    return SwappedMaster(units, sub_groups, open_swap)
 
 
 def _update(

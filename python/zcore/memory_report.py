@@ -1,14 +1,38 @@
-"""Bytes per rank: measured from the tensors zcore holds, beside the figures
-the stage's layout predicts for this model."""
+"""Bytes per rank, per category and per tier: measured from the tensors and
+swap files zcore holds, beside the figures the stage's layout and the offload
+policy predict for this model.
+
+Tiers are where zcore put the bytes, by policy, not ``tensor.device``: on a
+CPU-only machine the compute device is the host, and its bytes still count
+as "device" unless offload moved them to "host". Working memory (the
+gather arena, staging for offloaded shards, swap I/O buffers, sub-groups
+passing through host memory during a step) is not counted.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from zcore import _C
 from zcore.grad_reduction import AccumulateThenReduce
+from zcore.partition import Unit
+from zcore.policies import Policies, Tier
 from zcore.sharded_optimizer import ShardedOptimizer
+
+if TYPE_CHECKING:
+    from zcore.param_fetcher import ParamFetcher
+
+DEVICE, HOST, NVME = "device", "host", "nvme"
+TIERS = (DEVICE, HOST, NVME)
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
+_TIER_NAMES = {Tier.DEVICE: DEVICE, Tier.HOST: HOST, Tier.NVME: NVME}
+_SHARD_TIER_NAMES = {_C.ShardTier.DEVICE: DEVICE, _C.ShardTier.HOST: HOST, _C.ShardTier.NVME: NVME}
+_MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -28,74 +52,175 @@ class MemoryReport:
     stage: int
     world_size: int
     trainable_parameters: int  # elements
-    measured: MemoryFigures
-    theoretical: MemoryFigures
+    parameter_tier: str  # where parameter shards rest between uses (offload_param)
+    optimizer_tier: str  # where the optimizer's states live (offload_optimizer)
+    measured_tiers: dict[str, MemoryFigures]  # keyed by TIERS
+    theoretical_tiers: dict[str, MemoryFigures]
+
+    @property
+    def measured(self) -> MemoryFigures:
+        """Bytes per category, all tiers together."""
+        return _sum(self.measured_tiers.values())
+
+    @property
+    def theoretical(self) -> MemoryFigures:
+        return _sum(self.theoretical_tiers.values())
 
     def __str__(self) -> str:
-        rows = [f"zcore memory per rank (stage {self.stage}, world size {self.world_size})"]
-        rows.append(f"{'':18}{'measured':>14}{'theoretical':>14}")
-        for name in ("parameters", "gradients", "optimizer_states", "buffers", "total"):
-            m, t = getattr(self.measured, name), getattr(self.theoretical, name)
-            rows.append(f"{name:18}{m / 2**20:>11.2f} MiB{t / 2**20:>11.2f} MiB")
+        columns = [*TIERS, "total"]
+        measured = {**self.measured_tiers, "total": self.measured}
+        theoretical = {**self.theoretical_tiers, "total": self.theoretical}
+        rows = [
+            f"zcore memory per rank, MiB (stage {self.stage}, world size {self.world_size}; "
+            f"parameters on {self.parameter_tier}, optimizer states on {self.optimizer_tier})",
+            (f"{'':18}" + "".join(f"{c:^20}" for c in columns)).rstrip(),
+            f"{'':18}" + f"{'measured':>11}{'theory':>9}" * len(columns),
+        ]
+        for name in (*CATEGORIES, "total"):
+            cells = "".join(
+                f"{getattr(measured[c], name) / _MIB:>11.2f}{getattr(theoretical[c], name) / _MIB:>9.2f}"
+                for c in columns
+            )
+            rows.append(f"{name:18}{cells}")
         return "\n".join(rows)
 
 
-def _tensor_bytes(tensors) -> int:
+def _sum(figures: Iterable[MemoryFigures]) -> MemoryFigures:
+    figures = list(figures)
+    return MemoryFigures(**{c: sum(getattr(f, c) for f in figures) for c in CATEGORIES})
+
+
+class _Table:
+    """Bytes by (category, tier), filled by adding."""
+
+    def __init__(self) -> None:
+        self._bytes: defaultdict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, category: str, tier: str, nbytes: int) -> None:
+        self._bytes[(category, tier)] += nbytes
+
+    def figures(self) -> dict[str, MemoryFigures]:
+        return {t: MemoryFigures(**{c: self._bytes[(c, t)] for c in CATEGORIES}) for t in TIERS}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Each tensor object once."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or id(t) in seen:
             continue
         seen.add(id(t))
-        total += t.numel() * t.element_size()
+        total += _nbytes(t)
     return total
 
 
 def measure_memory(
     module: torch.nn.Module,
-    optimizer: ShardedOptimizer,
-    stage: int,
-    world_size: int,
-    stored_params: list[torch.Tensor],
+    optimizer: Optional[ShardedOptimizer],
+    policies: Policies,
+    residency: Any,
+    device: torch.device,
 ) -> MemoryReport:
-    """``stored_params``: the tensors holding parameters between uses (whole
-    units in stages 0-2; shards and persistent gathered groups in stage 3)."""
-    units = optimizer.units
-    reducer = optimizer.reducer
-    in_units = {id(p) for u in units for p in u.params}
-    others = [p for p in module.parameters() if id(p) not in in_units]
+    """``residency``: the engine's (zcore.engine.ParamResidency); in stage 3
+    a zcore.param_fetcher.ParamFetcher. ``device``: the compute device.
+    ``optimizer`` None: an inference engine, without gradients or states."""
+    stage, offload = policies.stage, policies.offload
+    units = optimizer.units if optimizer is not None else []
+    measured, theoretical = _Table(), _Table()
+    if stage.shards_parameters:
+        _measure_sharded_parameters(residency, measured)
+        _theory_sharded_parameters(residency, _TIER_NAMES[offload.parameters], stage.world_size, theoretical)
+    else:
+        # Whole on every rank: the units, and the parameters outside them (frozen).
+        in_units = {id(p) for u in units for p in u.params}
+        others = _tensor_bytes(p for p in module.parameters() if id(p) not in in_units)
+        measured.add("parameters", DEVICE, _tensor_bytes(residency.stored_tensors()) + others)
+        theoretical.add("parameters", DEVICE, sum(u.numel * u.dtype.itemsize for u in units) + others)
+    if optimizer is not None:
+        _measure_gradients(optimizer, measured)
+        _measure_optimizer_states(optimizer, offload.optimizer, measured)
+        _theory_states(policies, units, device, theoretical)
+    buffers = _tensor_bytes(module.buffers())
+    measured.add("buffers", DEVICE, buffers)
+    theoretical.add("buffers", DEVICE, buffers)
 
-    unit_param_bytes = _tensor_bytes(stored_params)
-    grad_tensors = list(reducer.shards)
-    if isinstance(reducer, AccumulateThenReduce) and reducer.sharded:
-        grad_tensors += reducer.acc
-    measured = MemoryFigures(
-        parameters=unit_param_bytes + _tensor_bytes(others),
-        gradients=_tensor_bytes(grad_tensors),
-        optimizer_states=optimizer.state_bytes(),
-        buffers=_tensor_bytes(module.buffers()),
-    )
-
-    # The layout's prediction: compute-dtype parameters, fp32 gradients (a
-    # full-size accumulator in stages 0 and 1, this rank's shard in stages 1
-    # and 2), and 12 bytes per element of this rank's shard for fp32 Adam
-    # (master, exp_avg, exp_avg_sq).
-    psi = sum(u.numel for u in units)
-    shards = 1 if stage == 0 else world_size
-    shard_elems = sum(u.shard_numel for u in units) if units else 0
-    padded = sum(u.padded_numel for u in units)
-    itemsize = units[0].dtype.itemsize if units else 4
-    grads = {0: 4 * padded, 1: 4 * padded + 4 * shard_elems, 2: 4 * shard_elems, 3: 4 * shard_elems}[stage]
-    param_shards = world_size if stage == 3 else 1
-    theoretical = MemoryFigures(
-        parameters=psi * itemsize // param_shards + _tensor_bytes(others),
-        gradients=grads,
-        optimizer_states=12 * psi // shards,
-        buffers=measured.buffers,
-    )
     return MemoryReport(
-        stage=stage,
-        world_size=world_size,
-        trainable_parameters=psi,
-        measured=measured,
-        theoretical=theoretical,
+        stage=stage.stage,
+        world_size=stage.world_size,
+        trainable_parameters=sum(u.numel for u in units),
+        parameter_tier=_TIER_NAMES[offload.parameters],
+        optimizer_tier=_TIER_NAMES[offload.optimizer],
+        measured_tiers=measured.figures(),
+        theoretical_tiers=theoretical.figures(),
     )
+
+
+# Measured.
+def _measure_sharded_parameters(fetcher: ParamFetcher, table: _Table) -> None:
+    """Stage 3: each group's shard on its tier (NVMe: its extent in the swap
+    file), and the gathered buffers of persistent groups on the device."""
+    for g in fetcher.groups:
+        if g.in_memory:
+            table.add("parameters", _SHARD_TIER_NAMES[fetcher.shard_tier(g.index)], _nbytes(g.local_shard))
+        if fetcher.persistent(g.index) and fetcher.buffers.holds(g.index):
+            table.add("parameters", DEVICE, _nbytes(fetcher.buffers.current(g.index)))
+    table.add("parameters", NVME, fetcher.parameter_swap_bytes())
+
+
+def _measure_gradients(optimizer: ShardedOptimizer, table: _Table) -> None:
+    """The reducer's fp32 gradients are on the device; an optimizer offloaded
+    to the host from a GPU keeps fp32 copies of the shards beside it."""
+    reducer = optimizer.reducer
+    on_device = list(reducer.shards)
+    if isinstance(reducer, AccumulateThenReduce) and reducer.sharded:
+        on_device += reducer.acc
+    table.add("gradients", DEVICE, _tensor_bytes(on_device))
+    table.add("gradients", HOST, _tensor_bytes(optimizer.update.host_grads or []))
+
+
+def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _Table) -> None:
+    """In memory on the optimizer's tier (NVMe states pass through the host);
+    on NVMe, the sub-groups' extents in the swap file."""
+    table.add("optimizer_states", HOST if tier is Tier.NVME else _TIER_NAMES[tier], optimizer.state_bytes())
+    if tier is Tier.NVME:
+        table.add("optimizer_states", NVME, optimizer.master.swap.stats().used)
+
+
+# Theoretical (the ZeRO paper's figures for this model; padding is not counted).
+# With Psi trained elements, N ranks and p bytes per compute-dtype element:
+# - parameters: stages 0-2 p*Psi on the device (and frozen parameters whole);
+#   stage 3 p*numel/N per group on offload_param's tier, except that a
+#   persistent group (below stage3_param_persistence_threshold) keeps its
+#   shard and its gathered p*numel on the device;
+# - gradients, fp32 on the device: a full-size accumulator 4*Psi in stages 0
+#   and 1, plus the reduced shard 4*Psi/N in stage 1; only the shard 4*Psi/N
+#   in stages 2 and 3. An optimizer on the host, with a GPU computing, adds
+#   fp32 host copies of the shards, 4*Psi/N (4*Psi in stage 0);
+# - optimizer states: fp32 Adam's master, exp_avg and exp_avg_sq, 12*Psi/N
+#   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
+#   memory between steps;
+# - buffers: the module's, whole on the device on every rank.
+def _theory_sharded_parameters(fetcher: ParamFetcher, tier: str, world: int, table: _Table) -> None:
+    for g in fetcher.groups:
+        full = g.numel * g.dtype.itemsize
+        if fetcher.persistent(g.index):
+            table.add("parameters", DEVICE, full // world + full)
+        else:
+            table.add("parameters", tier, full // world)
+
+
+def _theory_states(policies: Policies, units: list[Unit], device: torch.device, table: _Table) -> None:
+    stage, offload = policies.stage, policies.offload
+    psi = sum(u.numel for u in units)
+    shards = stage.world_size if stage.shards_optimizer_states else 1
+    shard = psi // shards
+    full_accumulator = 4 * psi if not stage.reduce_scatters_every_micro_step else 0
+    reduced = 4 * shard if stage.shards_optimizer_states else 0
+    table.add("gradients", DEVICE, full_accumulator + reduced)
+    if offload.optimizer is Tier.HOST and device.type != "cpu":
+        table.add("gradients", HOST, 4 * shard)
+    table.add("optimizer_states", _TIER_NAMES[offload.optimizer], 12 * shard)

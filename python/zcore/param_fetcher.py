@@ -20,6 +20,7 @@ no backward came.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from zcore import _C
 from zcore.external_params import ExternalParameters
-from zcore.errors import ConfigError, InvalidStateError
+from zcore.errors import ConfigError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.module_calls import CallTracker, ModuleCall
@@ -107,12 +108,12 @@ class ParamFetcher:
             )
         tiers = [self.coordinator.shard_tier(g.index) for g in groups]
         on_nvme = [g for g, t in zip(groups, tiers) if t == _C.ShardTier.NVME]
-        manager = None
-        if on_nvme:
-            if swap is None:
-                raise InvalidStateError("parameter shards go to NVMe, but no swap space was given")
-            manager = swap(swap_capacity(on_nvme), nvme_host_bytes(on_nvme, config.staging_bytes))
-        self._store = ShardStore(groups, tiers, offload.pin_parameters, manager)
+        open_swap = None
+        if on_nvme and swap is not None:
+            open_swap = functools.partial(
+                swap, swap_capacity(on_nvme), nvme_host_bytes(on_nvme, config.staging_bytes)
+            )
+        self._store = ShardStore(groups, tiers, offload.pin_parameters, open_swap)
         # Updated NVMe shards held for writing, at most this many bytes at once.
         self._pending_limit = config.staging_bytes
         self.group_of_param = {id(p): g.index for g in groups for p in g.params}
@@ -157,8 +158,8 @@ class ParamFetcher:
                 check,
             ):
                 out = module(*args, **kwargs)
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self.abort_after(exc)
             raise
         if not grad:
             self.end_step()
@@ -171,8 +172,8 @@ class ParamFetcher:
             return
         try:
             self._plans.agree(END_OF_STEP, lambda: "the end of the step")
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self.abort_after(exc)
             raise
         self._calls.end_step()
         self._plans.execute(self.coordinator.end_step())
@@ -189,6 +190,15 @@ class ParamFetcher:
         self._calls.abort()
         self._plans.execute(self.coordinator.abort_step())
 
+    def abort_after(self, exc: BaseException) -> None:
+        """Aborts the step that ``exc`` interrupted. The abort's own failure
+        (a read that never started cannot be waited for) is noted on
+        ``exc``, which stays the error the caller sees."""
+        try:
+            self.abort()
+        except Exception as failed:  # noqa: BLE001 - reported on exc
+            exc.add_note(f"aborting the step then failed too: {type(failed).__name__}: {failed}")
+
     def publish(self) -> None:
         """After an optimizer step: the updated NVMe shards are on disk (a
         write error surfaces here), and the trained groups that stay
@@ -196,6 +206,10 @@ class ParamFetcher:
         all-gather."""
         self.finish_writes()
         self._plans.refresh([g for g in self.groups if g.trainable])
+
+    def place_shard(self, group: ShardedGroup, values: torch.Tensor) -> None:
+        """At start-up: ``values`` become the group's shard, on its tier."""
+        self._store.place(group.index, values)
 
     def read_shard(self, group: int) -> torch.Tensor:
         """``group``'s shard values (zcore.shard_store.ShardStore.read)."""
@@ -209,6 +223,28 @@ class ParamFetcher:
             self._plans.execute(self.coordinator.store_shards([group]))
             if self._store.pending_bytes > self._pending_limit:
                 self.finish_writes()
+
+    def new_parameter_swap(self) -> SwapManager:
+        """An empty swap file for the NVMe shards a checkpoint load stages (keys: groups)."""
+        return self._store.new_swap()
+
+    def adopt_parameter_swap(self, swap: SwapManager) -> None:
+        """The staged NVMe shards become the groups' (a load's commit)."""
+        self.finish_writes()
+        self._store.adopt(swap)
+
+    def shard_tier(self, group: int) -> _C.ShardTier:
+        return self._store.tier(group)
+
+    def persistent(self, group: int) -> bool:
+        """Whether ``group`` stays gathered on the device between uses (its
+        shard then stays on the device too, whatever the offload policy)."""
+        return self.buffers.persistent[group]
+
+    def parameter_swap_bytes(self) -> int:
+        """Bytes the NVMe shards take in this rank's swap file (extents
+        rounded to the I/O alignment); 0 when no shard rests on NVMe."""
+        return self._store.swap_bytes()
 
     def finish_writes(self) -> None:
         self._plans.execute(self.coordinator.finish_stores())

@@ -16,6 +16,7 @@ import torch
 
 from zcore.comm import DistributedContext
 from zcore.config import Config
+from zcore.errors import DiskIOError
 from zcore.swap import SwapManager
 
 
@@ -33,6 +34,7 @@ class SwapSpace:
     config's nvme_path and aio section)."""
 
     path: str
+    key: str  # the config key that named the path, for errors
     block_size: int
     queue_depth: int
     threads: int
@@ -40,10 +42,13 @@ class SwapSpace:
     def open(self, name: str, capacity: int, host_bytes: int) -> SwapManager:
         """This rank's swap file ``name`` of ``capacity`` bytes, reading
         through a host pool of ``host_bytes``."""
-        return SwapManager(
-            self.path, capacity, name=name, host_budget=host_bytes,
-            block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads,
-        )
+        try:
+            return SwapManager(
+                self.path, capacity, name=name, host_budget=host_bytes,
+                block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads,
+            )
+        except DiskIOError as exc:
+            raise type(exc)(f"{self.key} = {self.path!r} cannot hold swap files: {exc}", **exc.details) from exc
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,8 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
             pin_memory=optimizer is not Tier.DEVICE and opt.pin_memory and cuda,
             parameters=parameters,
             pin_parameters=parameters is not Tier.DEVICE and param.pin_memory and cuda,
-            parameter_swap=_swap_space(cfg, param.nvme_path) if parameters is Tier.NVME else None,
-            optimizer_swap=_swap_space(cfg, opt.nvme_path) if optimizer is Tier.NVME else None,
+            parameter_swap=_swap_space(cfg, "offload_param") if parameters is Tier.NVME else None,
+            optimizer_swap=_swap_space(cfg, "offload_optimizer") if optimizer is Tier.NVME else None,
             staging_buffers=(param.buffer_count, param.buffer_size) if explicit else None,
             max_staged_elements=param.max_in_cpu if "max_in_cpu" in param.model_fields_set else None,
             sub_group_size=zero.sub_group_size,
@@ -145,6 +150,10 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
     )
 
 
-def _swap_space(cfg: Config, path: Optional[str]) -> SwapSpace:
+def _swap_space(cfg: Config, section: str) -> SwapSpace:
+    path = getattr(cfg.zero_optimization, section).nvme_path
     assert path is not None  # the config requires nvme_path with device "nvme"
-    return SwapSpace(path, cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.intra_op_parallelism)
+    return SwapSpace(
+        path, f"zero_optimization.{section}.nvme_path",
+        cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.intra_op_parallelism,
+    )

@@ -24,7 +24,7 @@ and the swap manager's pool the host buffers of NVMe reads.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,23 +40,20 @@ class ShardStore:
         groups: list[ShardedGroup],
         tiers: list[_C.ShardTier],
         pin: bool,
-        swap: Optional[SwapManager] = None,
+        open_swap: Optional[Callable[[], SwapManager]] = None,
     ) -> None:
-        """``tiers[g]``: the tier the coordinator put group g on; host shards
-        move to host memory here (page-locked when ``pin``), NVMe shards to
-        ``swap``."""
+        """``tiers[g]``: the tier the coordinator put group g on; ``place``
+        moves each group's shard there: host shards to host memory
+        (page-locked when ``pin``), NVMe shards to a swap file that
+        ``open_swap()`` creates."""
         self._groups = groups
         self._tiers = tiers
-        self._swap = swap
-        for g, tier in zip(groups, tiers):
-            if tier == _C.ShardTier.HOST:
-                host = g.local_shard.to("cpu")
-                g.local_shard = host.pin_memory() if pin else host
-            elif tier == _C.ShardTier.NVME:
-                if swap is None:
-                    raise InvalidStateError(f"group {g.index} is on NVMe but the store has no swap manager")
-                self._swap_out_now(g.index, g.local_shard)
-                g.local_shard = None
+        self._pin = pin
+        self._open_swap = open_swap
+        on_nvme = any(t == _C.ShardTier.NVME for t in tiers)
+        if on_nvme and open_swap is None:
+            raise InvalidStateError("parameter shards go to NVMe, but no swap space was given")
+        self._swap = open_swap() if on_nvme and open_swap is not None else None
         self._staged: dict[int, torch.Tensor] = {}  # group -> its shard where the all-gather reads it
         self._copied: dict[int, Optional[torch.cuda.Event]] = {}  # group -> its host copy in flight
         self._reading: dict[int, torch.Tensor] = {}  # group -> the host buffer its NVMe read fills
@@ -69,6 +66,19 @@ class ShardStore:
 
     def tier(self, group: int) -> _C.ShardTier:
         return self._tiers[group]
+
+    def place(self, group: int, values: torch.Tensor) -> None:
+        """``values`` become ``group``'s first shard, on its tier (cast to
+        the group's dtype)."""
+        g = self._groups[group]
+        tier = self._tiers[group]
+        if tier == _C.ShardTier.NVME:
+            self._swap_out_now(group, values.to(g.dtype))
+        elif tier == _C.ShardTier.HOST:
+            host = values.to(device="cpu", dtype=g.dtype)
+            g.local_shard = host.pin_memory() if self._pin else host
+        else:
+            g.local_shard = values.to(device=g.device, dtype=g.dtype)
 
     def source(self, group: int) -> torch.Tensor:
         """The shard an all-gather of ``group`` reads now."""
@@ -168,10 +178,32 @@ class ShardStore:
         held = [*self._incoming.values(), *self._writing.values()]
         return sum(t.numel() * t.element_size() for t in held)
 
+    def swap_bytes(self) -> int:
+        """Bytes the NVMe shards take in the swap file (extents rounded to
+        the I/O alignment); 0 when no shard rests on NVMe."""
+        return 0 if self._swap is None else self._swap.stats().used
+
     def close(self) -> None:
         """Removes the swap file (the shards on NVMe are gone)."""
         if self._swap is not None:
             self._swap.close()
+
+    # Checkpoint loads: new NVMe shards written aside, then adopted at once.
+    def new_swap(self) -> SwapManager:
+        """An empty swap file like this store's, for ``adopt`` (keys: groups)."""
+        if self._open_swap is None or self._swap is None:
+            raise InvalidStateError("no group of this store rests on NVMe")
+        return self._open_swap()
+
+    def adopt(self, swap: SwapManager) -> None:
+        """``swap`` (from ``new_swap``, holding every NVMe group's shard)
+        becomes the store's; the old swap file is removed. Only between
+        steps, with no shard staged and no write in flight."""
+        if self._staged or self._reading or self._incoming or self._writing:
+            raise InvalidStateError("the shard store changes swap files only between steps, with no I/O in flight")
+        old, self._swap = self._swap, swap
+        if old is not None:
+            old.close()
 
     def _swap_out_now(self, group: int, shard: torch.Tensor) -> None:
         swap = self._nvme()

@@ -37,7 +37,11 @@ class ShardedGroup:
         num_shards: int,
         shard_index: int,
         device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
+        """``dtype``: the shard's (the compute dtype for floating-point
+        parameters). The shard has no values until ``local_shard`` is set
+        (zcore.sharded_group.fill_groups)."""
         self.index = index  # the coordinator's group id
         self.params = params
         self.trainable = params[0].requires_grad
@@ -56,11 +60,10 @@ class ShardedGroup:
         self.pieces: list[Piece] = pieces_of(
             self.offsets, self.numels, self.shard_start, self.shard_start + self.shard_numel
         )
-        dtype = params[0].dtype
         self._device = device
         # This rank's shard; on the compute device unless zcore.shard_store
         # moved it to host memory or NVMe (parameter offload).
-        self._shard: Optional[torch.Tensor] = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        self._shard: Optional[torch.Tensor] = None
         self._dtype = dtype
         self._placeholder = torch.empty(0, dtype=dtype, device=device)
 
@@ -86,19 +89,24 @@ class ShardedGroup:
     @local_shard.setter
     def local_shard(self, shard: Optional[torch.Tensor]) -> None:
         """None: the shard now rests on NVMe (zcore.shard_store)."""
+        if shard is not None and (shard.dtype != self._dtype or shard.shape != (self.shard_numel,)):
+            raise InvalidStateError(
+                f"group {self.index}'s shard is {self.shard_numel} elements of {self._dtype}, "
+                f"not {tuple(shard.shape)} of {shard.dtype}"
+            )
         self._shard = shard
 
     @property
     def in_memory(self) -> bool:
         return self._shard is not None
 
-    def take_shard_of(self, param_index: int, full: torch.Tensor) -> None:
+    def copy_shard_of(self, param_index: int, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Copies this rank's part of parameter ``param_index`` from ``full``
-        (the parameter's whole value) into the local shard."""
+        (the parameter's whole value) into ``shard`` (shard_numel elements)."""
         flat = full.detach().reshape(-1)
         for piece in self.pieces:
             if piece.param_index == param_index:
-                self.local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
                     flat[piece.param_start : piece.param_start + piece.numel]
                 )
 
@@ -111,13 +119,6 @@ class ShardedGroup:
     def release_params(self) -> None:
         for p in self.params:
             p.data = self._placeholder
-
-    def cast_(self, dtype: torch.dtype) -> None:
-        if dtype != self.dtype:
-            self.local_shard = self.local_shard.to(dtype)
-            self._dtype = dtype
-            self._placeholder = self._placeholder.to(dtype)
-            self.release_params()
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a group-sized flat tensor."""
@@ -154,36 +155,50 @@ def plan_groups(model: torch.nn.Module) -> GroupPlan:
 
 
 def build_groups(
-    plan: GroupPlan,
-    num_shards: int,
-    shard_index: int,
-    device: torch.device,
-    synchronise: bool,
-    materialise: Optional[Callable[[str, torch.nn.Module, list[torch.nn.Parameter]], None]] = None,
+    plan: GroupPlan, num_shards: int, shard_index: int, device: torch.device, compute_dtype: torch.dtype
 ) -> tuple[list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
-    """The groups, each keeping this rank's shard of its parameters' current
-    values (rank 0's when ``synchronise``), and per module with parameters
-    the ids of the groups it needs. Full values are dropped group by group;
-    ``materialise(name, module, owned)`` first gives a meta module's owned
-    parameters their values (zcore.meta_init)."""
+    """The groups, without values yet (``fill_groups`` gives them), their
+    floating-point shards in ``compute_dtype``; and per module with
+    parameters the ids of the groups it needs."""
     groups: list[ShardedGroup] = []
     group_of: dict[int, int] = {}
-    for name, module, kinds in plan.owned:
-        if materialise is not None:
-            materialise(name, module, [p for params in kinds for p in params])
+    for _, _, kinds in plan.owned:
         for params in kinds:
-            group = ShardedGroup(len(groups), params, num_shards, shard_index, device)
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    full = p.detach().to(device)
-                    if synchronise:
-                        # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
-                        torch.distributed.broadcast(full, src=0)
-                    group.take_shard_of(i, full)
-            group.release_params()
-            groups.append(group)
-            group_of.update((id(p), group.index) for p in params)
+            dtype = compute_dtype if params[0].is_floating_point() else params[0].dtype
+            groups.append(ShardedGroup(len(groups), params, num_shards, shard_index, device, dtype))
+            group_of.update((id(p), len(groups) - 1) for p in params)
     modules = [
         (module, list(dict.fromkeys(group_of[id(p)] for p in direct))) for module, direct in plan.uses
     ]
     return groups, modules
+
+
+def fill_groups(
+    plan: GroupPlan,
+    groups: list[ShardedGroup],
+    synchronise: bool,
+    place: Callable[[ShardedGroup, torch.Tensor], None],
+    materialise: Optional[Callable[[str, torch.nn.Module, list[torch.nn.Parameter]], None]] = None,
+) -> None:
+    """Module by module: ``materialise(name, module, owned)`` first gives a
+    meta module's owned parameters their values (zcore.meta_init), then each
+    of its groups takes this rank's shard of them (rank 0's values when
+    ``synchronise``) and ``place(group, values)`` gets that shard, in the
+    parameters' own dtype, to keep. Full values are dropped group by group,
+    so memory holds one module's parameters at a time beyond the shards."""
+    built = iter(groups)
+    for name, module, kinds in plan.owned:
+        if materialise is not None:
+            materialise(name, module, [p for params in kinds for p in params])
+        for params in kinds:
+            group = next(built)
+            shard = torch.zeros(group.shard_numel, dtype=params[0].dtype, device=group.device)
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    full = p.detach().to(group.device)
+                    if synchronise:
+                        # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
+                        torch.distributed.broadcast(full, src=0)
+                    group.copy_shard_of(i, full, shard)
+            group.release_params()
+            place(group, shard)

@@ -45,12 +45,12 @@ class MasterShards:
     """fp32 master copies of this rank's shards and the pieces viewing them."""
 
     def __init__(self, units: list[Unit], device: torch.device, pin_memory: bool = False) -> None:
+        """Zero until ``take`` gives each unit's values."""
         self.units = units
+        # Offloaded shards: page-locked for fast copies to and from the GPU.
         self.shards = [
-            u.local_shard.detach().to(device=device, dtype=torch.float32, copy=True) for u in units
+            torch.zeros(u.shard_numel, dtype=torch.float32, device=device, pin_memory=pin_memory) for u in units
         ]
-        if pin_memory:  # offloaded shards: page-locked for fast copies to and from the GPU
-            self.shards = [s.pin_memory() for s in self.shards]
         # pieces[u][k] views self.shards[u] for units[u].pieces[k].
         self.pieces = [
             [
@@ -62,6 +62,13 @@ class MasterShards:
 
     def piece_of(self) -> dict[int, list[torch.nn.Parameter]]:
         return pieces_by_param(self.units, self.pieces)
+
+    def take(self, unit: int, values: torch.Tensor) -> None:
+        """At start-up: unit ``unit``'s shard values (before any cast)."""
+        self.shards[unit].copy_(values)
+
+    def finish(self) -> None:
+        return None
 
     def numel(self) -> int:
         return sum(s.numel() for s in self.shards)

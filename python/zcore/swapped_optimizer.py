@@ -20,11 +20,13 @@ the values they stand for are on disk.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from zcore.errors import ConfigError
+from zcore.errors import ConfigError, InvalidStateError
 from zcore.grad_reduction import GradientReducer
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.optim import CPUAdam
@@ -89,20 +91,114 @@ class SwappedMaster:
     """What MasterShards is for the in-memory optimizer, with the values on
     NVMe: the units, and one placeholder piece per piece of a unit."""
 
-    def __init__(self, units: list[Unit], sub_groups: list[SubGroup], swap: SwapManager) -> None:
+    def __init__(self, units: list[Unit], sub_groups: list[SubGroup], open_swap: Callable[[], SwapManager]) -> None:
+        """``open_swap()``: a new, empty swap file for the sub-groups."""
         self.units = units
-        self.swap = swap
+        self._open_swap = open_swap
+        self.swap = open_swap()
         self.sub_groups = sub_groups
         self.pieces = [
             [torch.nn.Parameter(torch.empty(p.numel, device="meta")) for p in unit.pieces] for unit in units
         ]
-        self._write_initial_states()
+        self._filling = 0  # the first sub-group not yet written by take()
+        self._buffer: Optional[torch.Tensor] = None
 
     def piece_of(self) -> dict[int, list[torch.nn.Parameter]]:
         return pieces_by_param(self.units, self.pieces)
 
     def numel(self) -> int:
         return sum(s.numel for s in self.sub_groups)
+
+    def read_pieces(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(unit, piece, states)`` for every piece in order, ``states`` its
+        [master, exp_avg, exp_avg_sq] as a [3, numel] fp32 tensor, valid
+        until the next item. Host memory: the sub-groups being read, and a
+        piece that spans several of them."""
+        subs = {s.key: s for s in self.sub_groups if s.numel > 0}
+        partial: dict[tuple[int, int], torch.Tensor] = {}
+        for key, states in self.swap.stream(subs, write_back=False):
+            sub = subs[key]
+            view = states.view(STATES, sub.numel)
+            for run in sub.runs:
+                meta = self.units[run.unit].pieces[run.piece]
+                part = view[:, run.offset : run.offset + run.numel]
+                if run.numel == meta.numel:
+                    yield run.unit, run.piece, part
+                    continue
+                whole = partial.setdefault((run.unit, run.piece), torch.empty(STATES, meta.numel))
+                start = run.unit_start - meta.shard_start
+                whole[:, start : start + run.numel].copy_(part)
+                if start + run.numel == meta.numel:
+                    yield run.unit, run.piece, partial.pop((run.unit, run.piece))
+
+    def read_units(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(unit, master)`` for every unit in order (as collectives need
+        them on every rank): its fp32 master shard, zero where no piece is.
+        Host memory: one unit's shard more than ``read_pieces``."""
+        pieces = self.read_pieces()
+        pending = next(pieces, None)
+        for u, unit in enumerate(self.units):
+            shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
+            while pending is not None and pending[0] == u:
+                meta = unit.pieces[pending[1]]
+                shard[meta.shard_start : meta.shard_start + meta.numel].copy_(pending[2][0])
+                pending = next(pieces, None)
+            yield u, shard
+
+    def stage(
+        self,
+        values: Callable[[int, int, int, int], torch.Tensor],
+        unit_shard: Callable[[int, torch.Tensor], None],
+        keep_moments: bool = False,
+    ) -> SwapManager:
+        """A new swap file holding every sub-group as ``values(unit, piece,
+        lo, hi)`` gives it: [3, hi - lo] fp32, the master, exp_avg and
+        exp_avg_sq of elements [lo, hi) of the piece. Each unit's
+        compute-dtype shard goes to ``unit_shard(unit, shard)`` once
+        complete; with ``keep_moments`` only the master comes from
+        ``values``, the moments from the states in use. Those are untouched
+        until ``adopt``; on an error the new file is removed."""
+        swap = self._open_swap()
+        try:
+            outs: dict[int, torch.Tensor] = {}
+            writing: Optional[int] = None  # the sub-group written behind the one being filled
+            held: Optional[torch.Tensor] = None
+            for sub in self.sub_groups:
+                if sub.numel == 0:
+                    continue
+                states = torch.empty(STATES, sub.numel, dtype=torch.float32)
+                if keep_moments:
+                    current = self.swap.swap_in(sub.key)
+                    self.swap.wait(sub.key)
+                    states.copy_(current.view(STATES, sub.numel))
+                    del current
+                rows = slice(0, 1) if keep_moments else slice(0, STATES)
+                for run in sub.runs:
+                    unit = self.units[run.unit]
+                    lo = run.unit_start - unit.pieces[run.piece].shard_start
+                    block = states[:, run.offset : run.offset + run.numel]
+                    block[rows].copy_(values(run.unit, run.piece, lo, lo + run.numel)[rows])
+                    out = outs.setdefault(run.unit, torch.zeros(unit.shard_numel, dtype=unit.dtype))
+                    out[run.unit_start : run.unit_start + run.numel].copy_(block[0])
+                swap.swap_out(sub.key, states)
+                if writing is not None:
+                    swap.wait(writing)
+                writing, held = sub.key, states
+                for u in sub.finishes:
+                    unit_shard(u, outs.pop(u))
+            if writing is not None:
+                swap.wait(writing)
+            del held
+        except BaseException:
+            swap.close()
+            raise
+        return swap
+
+    def adopt(self, swap: SwapManager) -> None:
+        """``swap`` (from ``stage``) holds the states from now on; the old
+        swap file is removed."""
+        old, self.swap = self.swap, swap
+        old.close()
 
     def write_unit(self, unit: int, values: torch.Tensor) -> None:
         """``values`` (the unit's shard) become its master values on disk."""
@@ -118,20 +214,34 @@ class SwappedMaster:
             self.swap.swap_out(sub.key, states)
             self.swap.wait(sub.key)
 
-    def _write_initial_states(self) -> None:
-        """Master values from the units' shards (still fp32, before the model
-        is cast), moments zero; one sub-group in host memory at a time."""
-        for sub in self.sub_groups:
+    def take(self, unit: int, values: torch.Tensor) -> None:
+        """At start-up, unit by unit in order: ``values`` (the unit's shard,
+        before any cast) become its master; moments start at zero. Each
+        sub-group is written once its last unit is taken, so host memory
+        holds one sub-group."""
+        while self._filling < len(self.sub_groups):
+            sub = self.sub_groups[self._filling]
             if sub.numel == 0:
+                self._filling += 1
                 continue
-            states = torch.zeros(STATES, sub.numel, dtype=torch.float32)
+            if self._buffer is None:
+                self._buffer = torch.zeros(STATES, sub.numel, dtype=torch.float32)
             for run in sub.runs:
-                shard = self.units[run.unit].local_shard
-                states[0, run.offset : run.offset + run.numel].copy_(
-                    shard[run.unit_start : run.unit_start + run.numel]
-                )
-            self.swap.swap_out(sub.key, states)
+                if run.unit == unit:
+                    self._buffer[0, run.offset : run.offset + run.numel].copy_(
+                        values[run.unit_start : run.unit_start + run.numel]
+                    )
+            if sub.runs[-1].unit > unit:
+                return  # later units fill the rest
+            self.swap.swap_out(sub.key, self._buffer)
             self.swap.wait(sub.key)
+            self._buffer = None
+            self._filling += 1
+
+    def finish(self) -> None:
+        """After the last ``take``: every sub-group is on disk."""
+        if self._buffer is not None or any(s.numel > 0 for s in self.sub_groups[self._filling :]):
+            raise InvalidStateError("the optimizer's sub-groups were not all given their values at start-up")
 
 
 class SwappedAdamUpdate(TorchUpdate):

@@ -29,13 +29,20 @@ def _mounted(fstype: str, target: Path, options: str) -> Iterator[Path]:
     try:
         yield target
     finally:
-        subprocess.run(["umount", "-l", str(target)], check=True)
+        if os.path.ismount(target):  # a test may have unmounted it already
+            subprocess.run(["umount", "-l", str(target)], check=True)
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: writes past that fail with ENOSPC."""
     yield from _mounted("tmpfs", tmp_path / "small", "size=2m")
+
+
+@pytest.fixture
+def nvme_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs: room for the tiny GPT's two swap files, and easy to fill."""
+    yield from _mounted("tmpfs", tmp_path / "nvme", "size=8m")
 
 
 @pytest.fixture

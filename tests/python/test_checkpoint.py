@@ -105,6 +105,46 @@ def test_resumes_with_parameters_offloaded_and_back(tmp_path: Path) -> None:
     assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "parameters on device -> on host, 2 -> 1 rank")
 
 
+def test_resumes_with_states_on_nvme_and_back(tmp_path: Path) -> None:
+    """Parameters and optimizer states on NVMe (the model with a frozen
+    submodule, sub-groups smaller than its units) save what an in-memory run
+    would: a checkpoint goes from NVMe at 2 ranks to the device at 3, and
+    from the host at 2 ranks to NVMe at 1 (in-memory master, NVMe
+    parameters), then on NVMe at 3 ranks again."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    (tmp_path / "swap").mkdir()
+    on_nvme = config(3, zero={"stage3_param_persistence_threshold": 0, "sub_group_size": 700,
+                              "offload_param": nvme, "offload_optimizer": nvme})
+    params_nvme = config(3, offload=True, zero={"stage3_param_persistence_threshold": 0, "offload_param": nvme})
+    on_device = config(3, zero={"stage3_param_persistence_threshold": 0})
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_ranks(uninterrupted, 2, "mix", on_nvme, ckpt)[0]
+    got = run_ranks(resumed, 3, "mix", on_device, ckpt)
+    assert_same_losses(got[0]["losses"], ref[SAVE_AT:], "states on NVMe -> on device, 2 -> 3 ranks")
+    got = run_ranks(resumed, 3, "mix", on_nvme, ckpt)
+    assert_same_losses(got[0]["losses"], ref[SAVE_AT:], "states on NVMe -> on NVMe, 2 -> 3 ranks")
+    ckpt2 = str(tmp_path / "ckpt2")
+    ref2 = run_ranks(uninterrupted, 2, "mix", config(3, offload=True), ckpt2)[0]
+    got2 = run_ranks(resumed, 1, "mix", params_nvme, ckpt2)
+    assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "host -> parameters on NVMe, 2 -> 1 rank")
+    got2 = run_ranks(resumed, 1, "mix", on_nvme, ckpt2)
+    assert_same_losses(got2[0]["losses"], ref2[SAVE_AT:], "host -> states on NVMe, 2 -> 1 rank")
+    # full_state_dict reads the states where they rest: the same values either way.
+    from_nvme = run_ranks(full_state_after_load, 2, "mix", on_nvme, ckpt)[0]
+    from_device = run_ranks(full_state_after_load, 2, "mix", on_device, ckpt)[0]
+    assert from_nvme.keys() == from_device.keys()
+    for key, value in from_device.items():
+        assert torch.equal(from_nvme[key], value), key
+
+
+def full_state_after_load(rank: int, world: int, name: str, cfg: dict, load_dir: str) -> dict:
+    engine, *_ = zcore.initialize(model=make_model(name), config=cfg)
+    engine.load_checkpoint(load_dir)
+    state = engine.full_state_dict()
+    engine.destroy()
+    return state
+
+
 def state_at_save_and_load(rank: int, world: int, save_cfg: dict, load_cfg: dict, ckpt: str, phase: str) -> dict:
     """Phase "save": trains the NormMLP (buffers, frozen layer) 3 steps,
     saves, returns the full state. Phase "load": returns the full state

@@ -129,8 +129,11 @@ def check_errors_and_data(rank, world):
             config={"train_batch_size": 2, "zero_optimization": {"stage": 1}},
             optimizer=torch.optim.LBFGS(model.parameters()),
         )
-    with pytest.raises(zcore.ConfigError, match="no optimizer"):
-        zcore.initialize(model=small_model(), config={"train_batch_size": 2})
+    # No optimizer anywhere: an inference engine (tests/python/test_zero_inference.py), which refuses to train.
+    engine, optimizer, _, _ = zcore.initialize(model=small_model(), config={"train_batch_size": 2})
+    assert optimizer is None
+    with pytest.raises(zcore.InvalidStateError, match="no optimizer"):
+        engine.backward(engine(torch.randn(1, 8)).sum())
 
     data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 2))
     model = small_model()

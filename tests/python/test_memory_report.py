@@ -1,6 +1,7 @@
 """Memory per rank: optimizer states shard as 12 bytes x parameters / world
 size (fp32 Adam: master, exp_avg, exp_avg_sq), and stage 2 keeps no
-full-size fp32 gradient."""
+full-size fp32 gradient; with offload, each category is counted on the tier
+the policy puts it on (device, host, NVMe), as the theory says."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 import zcore
 from distributed import run_ranks
+from training import zcore_config
 
 
 def wide_mlp() -> nn.Module:
@@ -53,3 +55,73 @@ def test_stage0_keeps_everything_on_every_rank():
     assert report.measured.optimizer_states == 12 * params
     assert report.measured.parameters == 4 * params
     assert report.theoretical.optimizer_states == report.measured.optimizer_states
+
+
+# Offload: each category on the tier the policy puts it on, measured within
+# TOLERANCE of the theory (padding to the world size), plus, on NVMe, up to
+# one I/O alignment of rounding per extent of the swap files.
+TOLERANCE = 0.02
+SWAP_ALIGNMENT = 4096
+ON_DEMAND = {"stage3_param_persistence_threshold": 0}  # no group stays gathered
+
+
+def offload_cases(nvme_path: str) -> dict[str, tuple[int, bool, dict]]:
+    """label -> (stage, optimizer on the host, more zero_optimization keys)."""
+    nvme = {"device": "nvme", "nvme_path": nvme_path}
+    return {
+        "optimizer on host": (2, True, {}),
+        "parameters on host": (3, False, {**ON_DEMAND, "offload_param": {"device": "cpu"}}),
+        "both on nvme": (3, False, {**ON_DEMAND, "offload_param": nvme, "offload_optimizer": nvme}),
+    }
+
+
+def train_offloaded(rank, world, label, nvme_path):
+    stage, optimizer_on_host, zero = offload_cases(nvme_path)[label]
+    config = zcore_config(stage, 1, 0.0, offload=optimizer_on_host, zero=zero)
+    engine, _, _, _ = zcore.initialize(model=wide_mlp(), config=config)
+    for step in range(3):
+        x = torch.randn(8 // world, 200, generator=torch.Generator().manual_seed(step * 10 + rank))
+        engine.backward(engine(x.to(engine.context.device)).pow(2).mean())
+        engine.step()
+    report = engine.memory_report()
+    # Extents in the swap files: one per parameter group, one per sub-group.
+    extents = len(engine.residency.groups) if stage == 3 else 0
+    extents += len(getattr(engine.optimizer.master, "sub_groups", []))
+    engine.destroy()
+    return report, extents
+
+
+def assert_tiers_match(report, extents: int, label: str) -> None:
+    for tier in ("device", "host", "nvme"):
+        slack = SWAP_ALIGNMENT * extents if tier == "nvme" else 0
+        measured, theoretical = report.measured_tiers[tier], report.theoretical_tiers[tier]
+        for category in ("parameters", "gradients", "optimizer_states", "buffers"):
+            m, t = getattr(measured, category), getattr(theoretical, category)
+            assert abs(m - t) <= TOLERANCE * t + slack, (
+                f"{label}: {category} on {tier}: measured {m} bytes, theory {t}\n{report}"
+            )
+
+
+@pytest.mark.parametrize("label", ["optimizer on host", "parameters on host", "both on nvme"])
+def test_offloaded_bytes_are_on_their_tier(label, tmp_path):
+    world = 2
+    params = sum(p.numel() for p in wide_mlp().parameters())
+    shard = 4 * params / world  # fp32 bytes of one rank's share
+    for rank, (report, extents) in enumerate(run_ranks(train_offloaded, world, label, str(tmp_path), timeout=300)):
+        where = f"{label}, rank {rank}"
+        assert_tiers_match(report, extents, where)
+        tiers = report.measured_tiers
+        if label == "optimizer on host":
+            assert tiers["device"].optimizer_states == 0, where
+            assert tiers["host"].optimizer_states >= 3 * shard, where
+            assert tiers["device"].parameters >= 4 * params, where  # stage 2: whole, on the device
+        if label == "parameters on host":
+            assert tiers["device"].parameters == 0, where
+            assert tiers["host"].parameters >= shard, where
+            assert tiers["device"].optimizer_states >= 3 * shard, where
+        if label == "both on nvme":
+            in_memory = tiers["device"].total + tiers["host"].total
+            assert in_memory == tiers["device"].gradients, where  # the gradient shards (no module buffers)
+            assert tiers["nvme"].parameters >= shard, where
+            assert tiers["nvme"].optimizer_states >= 3 * shard, where
+            assert "nvme" in str(report), where

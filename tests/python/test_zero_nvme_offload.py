@@ -13,7 +13,7 @@ import os
 import pytest
 
 from distributed import run_ranks
-from training import assert_variants_match, train_zcore, zcore_config
+from training import assert_matches, assert_variants_match, train_reference, train_zcore, zcore_config
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -81,3 +81,22 @@ def test_states_on_nvme_match_single_process(world, tmp_path):
                 read, written = traffic["optimizer"]
                 assert read > 0 and written > read, label  # the first write, then one per step
     assert os.listdir(path) == []  # every swap file removed by engine.destroy()
+
+
+def run_bf16(rank, world, path):
+    nvme = {"device": "nvme", "nvme_path": path}
+    out = {}
+    for stage, keys in ((3, {"offload_param": nvme, "offload_optimizer": nvme}), (2, {"offload_optimizer": nvme})):
+        config = zcore_config(stage, 2, 0.05, "bf16", zero={**ON_DEMAND, **keys, **SMALL_SUB_GROUPS})
+        out[stage] = train_zcore(rank, world, "gpt", config, STEPS)
+    return out
+
+
+def test_bf16_with_states_on_nvme_matches_the_mixed_precision_reference(tmp_path):
+    """The tolerances of test_mixed_precision (its docstring says why): the
+    fused Adam writes each unit's bf16 shard in the same pass over a sub-group."""
+    results = run_ranks(run_bf16, 2, str(tmp_path), launcher=True, timeout=600)
+    ref = train_reference("gpt", 0.05, STEPS, 2, 2, "bf16")
+    for stage, got in results[0].items():
+        assert got["update"] == "SwappedAdamUpdate" and got["skipped_steps"] == 0
+        assert_matches(got, ref, 2e-4, f"bf16 stage {stage}", 8 * 2.0**-8)

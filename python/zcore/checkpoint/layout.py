@@ -6,7 +6,8 @@ zcore's flat buffers, so any rank of any layout (world size, stage, unit
 size, offload) finds the elements it needs. A ``Slot`` is one such range
 on this rank, with a view of where it lives: a piece of an fp32 master shard
 (trained parameters), a piece of a frozen ZeRO-3 group's shard, or a whole
-frozen parameter or buffer (stages 0-2, buffers in every stage).
+frozen parameter or buffer (stages 0-2, buffers in every stage). Ranges on
+NVMe have a meta tensor instead of a view (zcore.checkpoint.slot_values).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class Slot:
     data: torch.Tensor  # 1-D view of where the range lives on this rank
     saves: bool  # this rank writes it (one rank writes a replicated range)
     piece: Optional[torch.nn.Parameter] = None  # trained: the optimizer's parameter
+    # Stage 3 frozen: the group whose shard holds the range, from element
+    # shard_start. A shard on NVMe has no view: ``data`` is then a meta
+    # tensor of the range's size (zcore.checkpoint.slot_values reads it).
+    group: Optional[ShardedGroup] = None
+    shard_start: int = 0
 
     @property
     def stop(self) -> int:
@@ -66,7 +72,10 @@ def engine_layout(engine: Any) -> EngineLayout:
     layout = EngineLayout(names=names)
     infos: dict[str, TensorInfo] = {}
 
-    for unit, pieces in zip(optimizer.units, optimizer.master.pieces):
+    # An engine without an optimizer (inference) holds trained parameters as
+    # frozen ones are held: in the compute dtype, in their groups or modules.
+    units = optimizer.units if optimizer is not None else []
+    for unit, pieces in zip(units, optimizer.master.pieces if optimizer is not None else []):
         replicated = unit.shard_numel == unit.padded_numel
         for i, p in enumerate(unit.params):
             infos[names[id(p)]] = TensorInfo(tuple(unit.shapes[i]), torch.float32, TRAINED)
@@ -74,10 +83,10 @@ def engine_layout(engine: Any) -> EngineLayout:
             name = names[id(unit.params[meta.param_index])]
             layout.slots.append(Slot(name, meta.param_start, piece.detach(), not replicated or rank == 0, piece))
 
-    in_units = {id(p) for unit in optimizer.units for p in unit.params}
+    in_units = {id(p) for unit in units for p in unit.params}
     if engine.policies.stage.shards_parameters:
         for group in engine.residency.groups:
-            if not group.trainable:
+            if not group.trainable or optimizer is None:
                 _add_frozen_group(layout, infos, names, group)
     else:
         for p in module.parameters():
@@ -96,7 +105,7 @@ def engine_layout(engine: Any) -> EngineLayout:
                 layout.slots.append(Slot(key, 0, t.data.view(-1), rank == 0))
         layout.keys[key] = name
     layout.tensors = {name: infos[name] for name in dict.fromkeys(layout.keys.values())}
-    layout.groups = [[names[id(p)] for p in params] for params in optimizer.group_params]
+    layout.groups = [[names[id(p)] for p in params] for params in optimizer.group_params] if optimizer else []
     return layout
 
 
@@ -107,8 +116,11 @@ def _add_frozen_group(
         infos[names[id(p)]] = TensorInfo(tuple(group.shapes[i]), group.dtype, FROZEN)
     for meta in group.pieces:
         name = names[id(group.params[meta.param_index])]
-        view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
-        layout.slots.append(Slot(name, meta.param_start, view, True))
+        if group.in_memory:
+            view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
+        else:
+            view = torch.empty(meta.numel, dtype=group.dtype, device="meta")
+        layout.slots.append(Slot(name, meta.param_start, view, True, group=group, shard_start=meta.shard_start))
 
 
 def describe(tensors: dict[str, TensorInfo]) -> dict[str, dict]:

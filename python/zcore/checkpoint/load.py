@@ -24,7 +24,10 @@ from zcore.checkpoint import directory, durable, partials, schema, training_stat
 from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos
 from zcore.checkpoint.saved_ranges import SavedRanges
+from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.swap import SwapManager
+from zcore.swapped_optimizer import SwappedMaster
 
 log = logging.getLogger("zcore")
 
@@ -78,10 +81,20 @@ class _Staged:
     layout: EngineLayout
     slots: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     states: Optional[dict[torch.nn.Parameter, dict]] = None  # None: keep the optimizer's
+    # States on NVMe, staged aside in new swap files (zcore.checkpoint.slot_values).
+    optimizer_swap: Optional[SwapManager] = None  # every sub-group: master, exp_avg, exp_avg_sq
+    parameter_swap: Optional[SwapManager] = None  # every ZeRO-3 shard on NVMe
+    unit_shards: dict[int, torch.Tensor] = field(default_factory=dict)  # in-memory shards of NVMe masters
     scheduler: Optional[dict] = None  # None: keep the scheduler's
     counters: Optional[schema.Counters] = None  # None: keep the engine's
     rng: Optional[dict[str, Any]] = None
     client_state: Any = None
+
+    def discard(self) -> None:
+        """Removes the swap files staged (the load did not happen)."""
+        for swap in (self.optimizer_swap, self.parameter_swap):
+            if swap is not None:
+                swap.close()
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,8 @@ def load_checkpoint(
     rank fails the load on every rank, naming it, before any state changes
     and before any rank can wait in another collective."""
     options = _Options(
-        optimizer=load_optimizer_states and not load_module_only,
+        # An engine without an optimizer (inference) takes the weights only, as DeepSpeed's does.
+        optimizer=load_optimizer_states and not load_module_only and engine.optimizer is not None,
         scheduler=load_lr_scheduler_states and not load_module_only,
         training=not load_module_only,
     )
@@ -120,13 +134,18 @@ def load_checkpoint(
         failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
             f"loading checkpoint from {load_dir} failed: {type(exc).__name__}: {str(exc)[:500]}"
         )
-    comm.raise_if_any_failed(failure, f"loading checkpoint from {load_dir}", CheckpointError)
-    resolved = comm.all_gather_strings(None if tag_dir is None else str(tag_dir))
-    if len(set(resolved)) > 1:
-        raise CheckpointError(
-            f"the ranks found different checkpoints in {load_dir}: {resolved}; every rank must see "
-            "the same directory (a shared filesystem) and it must not change during the load"
-        )
+    try:
+        comm.raise_if_any_failed(failure, f"loading checkpoint from {load_dir}", CheckpointError)
+        resolved = comm.all_gather_strings(None if tag_dir is None else str(tag_dir))
+        if len(set(resolved)) > 1:
+            raise CheckpointError(
+                f"the ranks found different checkpoints in {load_dir}: {resolved}; every rank must see "
+                "the same directory (a shared filesystem) and it must not change during the load"
+            )
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
     if engine.context.rank == 0:
         partials.remove_abandoned(Path(load_dir))
     if tag_dir is None:
@@ -140,23 +159,39 @@ def load_checkpoint(
 def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
     layout = engine_layout(engine)
     meta = read_meta(tag_dir)
-    meta_path = tag_dir / directory.META
     _check_model(layout, meta, tag_dir)
     if options.optimizer:
         _check_optimizer(engine, layout, meta, tag_dir)
     indexes = read_indexes(tag_dir, meta)
     staged = _Staged(meta, layout)
+    try:
+        _read(engine, tag_dir, options, meta, layout, indexes, staged)
+    except BaseException:
+        staged.discard()
+        raise
+    return staged
+
+
+def _read(
+    engine: Any, tag_dir: Path, options: _Options, meta: schema.Meta, layout: EngineLayout,
+    indexes: list[schema.RankIndex], staged: _Staged,
+) -> None:
     rank = engine.context.rank
+    values = SlotValues(engine)
     with SavedRanges(tag_dir, indexes, AioEngine(tag_dir)) as saved:
         infos = tensor_infos(meta.tensors)
         for slot in layout.slots:
-            value = saved.read(slot.name, slot.start, slot.stop)
-            if value.dtype != infos[slot.name].dtype:
+            if values.swapped and infos[slot.name].role == TRAINED:
+                found = saved.dtype(slot.name, slot.start, slot.stop)  # read in _stage_nvme
+            else:
+                value = saved.read(slot.name, slot.start, slot.stop)
+                found = value.dtype
+                staged.slots.append((slot, value))
+            if found != infos[slot.name].dtype:
                 raise CheckpointCorruptError(
-                    f"checkpoint {tag_dir} stores {slot.name} as {value.dtype}, its {directory.META} says "
+                    f"checkpoint {tag_dir} stores {slot.name} as {found}, its {directory.META} says "
                     f"{infos[slot.name].dtype}", path=str(tag_dir)
                 )
-            staged.slots.append((slot, value))
         if options.optimizer:
             staged.states = {}
             inner = engine.optimizer.inner
@@ -165,7 +200,11 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
                 keys = saved.state_keys(slot.name)
                 if not keys:
                     continue  # never stepped when saved
-                state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
+                if values.swapped:  # ranged states are read in _stage_nvme
+                    state = {key: torch.empty(0, dtype=saved.dtype(slot.name, slot.start, slot.stop, key))
+                             for key in keys}
+                else:
+                    state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
                 owner = next((ix for ix in indexes if slot.name in ix.scalars), None)
                 scalars = owner.scalars[slot.name] if owner is not None else {}
                 path = tag_dir / directory.rank_index(owner.rank if owner is not None else 0)
@@ -175,7 +214,7 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
                 state.update(training_state.join_scalars(scalars))
                 try:
                     training_state.check_piece_state(
-                        state, inner.state.get(slot.piece), meta.optimizer.kind, groups[id(slot.piece)], slot.data
+                        state, values.state_template(slot), meta.optimizer.kind, groups[id(slot.piece)], slot.data
                     )
                 except ValueError as exc:
                     raise schema.invalid(path, f"optimizer state of {slot.name}", str(exc)) from None
@@ -191,12 +230,81 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
                     raise schema.invalid(tag_dir / directory.rank_index(rank), "rng", str(exc)) from None
         client_keys = [k for k in indexes[0].files.state.tensors if k.startswith("client::")]
         client_tensors = {k: saved.read_whole(0, "state", k) for k in client_keys}
-    _check_state(engine, meta, meta_path, options, staged)
-    try:
-        staged.client_state = training_state.decode_client_state(meta.client_state, client_tensors)
-    except ValueError as exc:
-        raise schema.invalid(meta_path, "client_state", str(exc)) from None
-    return staged
+        meta_path = tag_dir / directory.META
+        _check_state(engine, meta, meta_path, options, staged)
+        try:
+            staged.client_state = training_state.decode_client_state(meta.client_state, client_tensors)
+        except ValueError as exc:
+            raise schema.invalid(meta_path, "client_state", str(exc)) from None
+        _stage_nvme(engine, layout, saved, staged)
+
+
+def _stage_nvme(engine: Any, layout: EngineLayout, saved: SavedRanges, staged: _Staged) -> None:
+    """Values whose home is on NVMe go to new swap files, adopted at commit:
+    optimizer sub-groups (with each unit's compute-dtype shard), and ZeRO-3
+    shards resting on NVMe, trained and frozen."""
+    optimizer, residency = engine.optimizer, engine.residency
+    nvme_groups = {g.index for g in getattr(residency, "groups", []) if not g.in_memory}
+    if nvme_groups:
+        staged.parameter_swap = residency.new_parameter_swap()
+    if optimizer is not None:
+        _stage_trained_nvme(optimizer, layout, saved, staged)
+    frozen: dict[int, torch.Tensor] = {}
+    kept = []
+    for slot, value in staged.slots:
+        if slot.group is None or slot.group.index not in nvme_groups:
+            kept.append((slot, value))
+            continue
+        shard = frozen.setdefault(slot.group.index, torch.zeros(slot.group.shard_numel, dtype=slot.group.dtype))
+        shard[slot.shard_start : slot.shard_start + value.numel()].copy_(value)
+    staged.slots = kept
+    for group, shard in frozen.items():
+        staged.parameter_swap.swap_out(group, shard)
+        staged.parameter_swap.wait(group)
+
+
+def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges, staged: _Staged) -> None:
+    shards = optimizer.update.shards
+
+    def put_shard(u: int, shard: torch.Tensor) -> None:
+        unit = optimizer.units[u]
+        if shards.resident(unit) is None:  # on NVMe: a ZeRO-3 group
+            staged.parameter_swap.swap_out(unit.index, shard)
+            staged.parameter_swap.wait(unit.index)
+        else:
+            staged.unit_shards[u] = shard
+
+    master = optimizer.master
+    if isinstance(master, SwappedMaster):
+        staged.optimizer_swap = _stage_sub_groups(master, layout, saved, staged, put_shard)
+    elif staged.parameter_swap is not None:  # trained NVMe shards from the staged master values
+        by_piece = {id(slot.piece): value for slot, value in staged.slots if slot.piece is not None}
+        for u, (unit, pieces) in enumerate(zip(optimizer.units, master.pieces)):
+            if shards.resident(unit) is None:
+                shard = torch.zeros(unit.shard_numel, dtype=unit.dtype)
+                for meta, piece in zip(unit.pieces, pieces):
+                    shard[meta.shard_start : meta.shard_start + meta.numel].copy_(by_piece[id(piece)])
+                put_shard(u, shard)
+
+
+def _stage_sub_groups(
+    master: SwappedMaster, layout: EngineLayout, saved: SavedRanges, staged: _Staged, put_shard: Any
+) -> SwapManager:
+    """Without optimizer states to load, each sub-group keeps its moments."""
+    slots = {id(slot.piece): slot for slot in layout.slots_of(TRAINED)}
+    states = staged.states
+
+    def values(u: int, k: int, lo: int, hi: int) -> torch.Tensor:
+        piece = master.pieces[u][k]
+        slot = slots[id(piece)]
+        out = torch.zeros(3, hi - lo, dtype=torch.float32)
+        out[0] = saved.read(slot.name, slot.start + lo, slot.start + hi)
+        if states is not None and piece in states:
+            out[1] = saved.read(slot.name, slot.start + lo, slot.start + hi, "exp_avg")
+            out[2] = saved.read(slot.name, slot.start + lo, slot.start + hi, "exp_avg_sq")
+        return out
+
+    return master.stage(values, put_shard, keep_moments=states is None)
 
 
 def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, staged: _Staged) -> None:
@@ -273,8 +381,20 @@ def _commit(engine: Any, staged: _Staged) -> None:
     with torch.no_grad():
         for slot, value in staged.slots:
             slot.data.copy_(value)
-        for unit, shard in zip(optimizer.units, optimizer.master.shards):
-            unit.local_shard.copy_(shard)
+        if optimizer is None:
+            pass  # an inference engine: its parameters are all in staged.slots
+        elif isinstance(optimizer.master, SwappedMaster):
+            if staged.optimizer_swap is not None:
+                optimizer.master.adopt(staged.optimizer_swap)
+            for u, shard in staged.unit_shards.items():
+                optimizer.update.shards.write(optimizer.units[u], shard)
+        else:
+            shards = optimizer.update.shards
+            for unit, shard in zip(optimizer.units, optimizer.master.shards):
+                if shards.resident(unit) is not None:  # NVMe shards were staged aside
+                    shards.write(unit, shard)
+    if staged.parameter_swap is not None:
+        engine.residency.adopt_parameter_swap(staged.parameter_swap)
     engine.residency.reload()
     if staged.states is not None:
         inner = optimizer.inner
@@ -282,6 +402,9 @@ def _commit(engine: Any, staged: _Staged) -> None:
             state = staged.states.get(slot.piece)
             if state is None:
                 inner.state.pop(slot.piece, None)
+                continue
+            if isinstance(optimizer.master, SwappedMaster):
+                inner.state[slot.piece] = {"step": state["step"]}  # the moments are in the sub-groups
                 continue
             inner.state[slot.piece] = {
                 k: (v.to(slot.data.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

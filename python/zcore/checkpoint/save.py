@@ -25,6 +25,7 @@ from zcore import comm
 from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, training_state
 from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout
+from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
 from zcore.errors import CheckpointError, DiskIOError
 
@@ -88,36 +89,51 @@ def _agree(failure: Optional[BaseException], doing: str, rank: int, staging: Pat
 def _write_rank(
     engine: Any, layout: EngineLayout, staging: Path, rank: int, client_tensors: dict[str, torch.Tensor]
 ) -> str:
+    """The weights and state files of this rank, then its index. Both files
+    are written in one pass over the values, so that states on NVMe are read
+    once, a sub-group at a time (zcore.checkpoint.slot_values)."""
+    values = SlotValues(engine)
     saved = [s for s in layout.slots if s.saves]
-    specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
-    io = AioEngine(staging)  # O_DIRECT writes: zcore.checkpoint.direct_file
-    with TensorFileWriter(staging / directory.weights_file(rank), specs, engine=io) as writer:
-        for slot in saved:
-            writer.write(slot.data)
-        weights = writer.commit()
+    trained = layout.slots_of(TRAINED)
     ranges = {s.name: {"file": "weights", "of": s.name, "start": s.start, "stop": s.stop} for s in saved}
-
-    state_tensors: dict[str, torch.Tensor] = {}
+    state_specs: list[TensorSpec] = []
     scalars: dict[str, dict] = {}
-    inner = engine.optimizer.inner
-    for slot in saved:
-        if layout.tensors[slot.name].role != TRAINED or slot.piece not in inner.state:
+    for slot in trained:
+        template = values.state_template(slot) if slot.saves else None
+        if template is None:
             continue
-        ranged, scalar = training_state.split_state(inner.state[slot.piece], slot.data.numel(), slot.name)
+        ranged, scalar = training_state.split_state(template, slot.data.numel(), slot.name)
         for key, value in ranged.items():
-            state_tensors[f"{slot.name}::{key}"] = value
+            state_specs.append(TensorSpec(f"{slot.name}::{key}", value.dtype, (slot.data.numel(),)))
             ranges[f"{slot.name}::{key}"] = {"file": "state", "of": slot.name, "state": key,
                                              "start": slot.start, "stop": slot.stop}
         scalars[slot.name] = scalar
-    rng, rng_tensors = training_state.rng_state(engine.context.device)
-    state_tensors.update(rng_tensors)
+    rng, extra = training_state.rng_state(engine.context.device)
     if rank == 0:
-        state_tensors.update(client_tensors)
-    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in state_tensors.items()]
-    with TensorFileWriter(staging / directory.state_file(rank), specs, engine=io) as writer:
-        for value in state_tensors.values():
-            writer.write(value)
-        state = writer.commit()
+        extra.update(client_tensors)
+    state_specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
+
+    io = AioEngine(staging)  # O_DIRECT writes: zcore.checkpoint.direct_file
+    weight_specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
+    with (
+        TensorFileWriter(staging / directory.weights_file(rank), weight_specs, engine=io) as weights_out,
+        TensorFileWriter(staging / directory.state_file(rank), state_specs, engine=io) as state_out,
+    ):
+        for slot, data, state in values.trained(trained):  # first in the layout, so first in both files
+            if not slot.saves:
+                continue
+            weights_out.write(data)
+            if slot.name in scalars:
+                ranged, _ = training_state.split_state(state, slot.data.numel(), slot.name)
+                for value in ranged.values():
+                    state_out.write(value)
+        for slot in saved:
+            if layout.tensors[slot.name].role != TRAINED:
+                weights_out.write(values.frozen(slot))
+        for value in extra.values():
+            state_out.write(value)
+        weights = weights_out.commit()
+        state = state_out.commit()
 
     index = {
         "rank": rank,

@@ -14,6 +14,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -60,19 +61,20 @@ class SavedRanges:
     def state_keys(self, name: str) -> list[str]:
         return [s for (n, s) in self._saved if n == name and s is not None]
 
+    def dtype(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.dtype:
+        """What ``read`` would return for the range, from the files' headers
+        only: its dtype, once every element is known to be listed."""
+        dtype = None
+        for saved, _, _ in self._covering(name, start, stop, state):
+            dtype = self._reader(saved.file).entries[saved.key].dtype
+        assert dtype is not None  # _covering raises on an empty range
+        return dtype
+
     def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
         """Elements [start, stop) of saved tensor ``name`` (or of its optimizer state ``state``)."""
-        ranges = self._saved.get((name, state), [])
-        first = max(0, bisect.bisect_right(self._starts.get((name, state), []), start) - 1)
         out: Optional[torch.Tensor] = None
-        position = start
-        for saved in ranges[first:]:
-            if position >= stop or saved.start > position:
-                break
-            if saved.stop <= position:
-                continue
+        for saved, position, hi in self._covering(name, start, stop, state):
             reader = self._reader(saved.file)
-            hi = min(stop, saved.stop)
             if out is None:
                 out = reader.empty(saved.key, stop - start)
             target = out[position - start : hi - start]
@@ -87,15 +89,33 @@ class SavedRanges:
                         path=str(self.tag_dir),
                     )
                 target.copy_(whole[position - saved.start : hi - saved.start])
+        assert out is not None  # _covering raises on an empty range
+        return out
+
+    def _covering(
+        self, name: str, start: int, stop: int, state: Optional[str]
+    ) -> Iterator[tuple[_Saved, int, int]]:
+        """The saved ranges that make up [start, stop), each with the part
+        of it they give: (saved range, first element, end); raises once the
+        next element is listed by none."""
+        ranges = self._saved.get((name, state), [])
+        first = max(0, bisect.bisect_right(self._starts.get((name, state), []), start) - 1)
+        position = start
+        for saved in ranges[first:]:
+            if position >= stop or saved.start > position:
+                break
+            if saved.stop <= position:
+                continue
+            hi = min(stop, saved.stop)
+            yield saved, position, hi
             position = hi
-        if position < stop or out is None:
+        if position < stop or position == start:
             what = name if state is None else f"optimizer state {state!r} of {name}"
             raise CheckpointCorruptError(
                 f"checkpoint {self.tag_dir} lacks elements [{position}, {stop}) of {what}: no rank index "
                 f"({self._indexes}) lists them; the checkpoint is incomplete, load another tag",
                 path=str(self.tag_dir),
             )
-        return out
 
     def read_whole(self, rank: int, kind: str, key: str) -> torch.Tensor:
         """Tensor ``key`` of rank ``rank``'s ``kind`` file (RNG, client tensors)."""

@@ -1,0 +1,77 @@
+"""A checkpoint's view of where each slot's values are, read or staged
+where they live.
+
+Slots in memory (zcore.checkpoint.layout) are views, read and written in
+place. Two kinds are on NVMe and have only a meta tensor:
+- trained slots whose optimizer states are on NVMe (zcore.swapped_optimizer):
+  saving streams the sub-groups (``trained``); loading writes new sub-groups
+  aside (``SwappedMaster.stage``) and adopts them at commit;
+- frozen ZeRO-3 slots whose group's shard is on NVMe: read one group at a
+  time (``frozen``); a load stages new shards aside, adopted at commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from zcore.checkpoint.layout import Slot
+from zcore.errors import InvalidStateError
+from zcore.swapped_optimizer import SwappedMaster
+
+
+class SlotValues:
+    def __init__(self, engine: Any) -> None:
+        optimizer = engine.optimizer  # None: an inference engine, without trained slots
+        self._master = optimizer.master if optimizer is not None else None
+        self._inner = optimizer.inner if optimizer is not None else None
+        self._residency = engine.residency
+        self._group: Optional[int] = None  # the frozen group whose shard is cached
+        self._shard: Optional[torch.Tensor] = None
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the trained values and their optimizer states are on NVMe."""
+        return isinstance(self._master, SwappedMaster)
+
+    def state_template(self, slot: Slot) -> Optional[dict]:
+        """A trained slot's optimizer state as the optimizer keeps it, for
+        the names, dtypes and sizes of what will be saved (tensors of states
+        on NVMe are meta); None before its first step."""
+        state = self._inner.state.get(slot.piece)
+        if not state:
+            return None
+        if self.swapped:
+            return {"step": state["step"], "exp_avg": slot.data, "exp_avg_sq": slot.data}
+        return state
+
+    def trained(self, slots: list[Slot]) -> Iterator[tuple[Slot, torch.Tensor, Optional[dict]]]:
+        """``(slot, values, state)`` for every trained slot, in ``slots``'
+        order (the layout's), each valid until the next one."""
+        if not self.swapped:
+            for slot in slots:
+                yield slot, slot.data, self._inner.state.get(slot.piece) or None
+            return
+        master: SwappedMaster = self._master
+        expected = iter(slots)
+        for u, k, states in master.read_pieces():
+            slot = next(expected, None)
+            piece = master.pieces[u][k]
+            if slot is None or slot.piece is not piece:
+                raise InvalidStateError("the optimizer's sub-groups and the checkpoint layout list pieces in another order")
+            state = self._inner.state.get(piece)
+            yield slot, states[0], (
+                {"step": state["step"], "exp_avg": states[1], "exp_avg_sq": states[2]} if state else None
+            )
+
+    def frozen(self, slot: Slot) -> torch.Tensor:
+        """A frozen parameter's or buffer's values."""
+        group = slot.group
+        if group is None or group.in_memory:
+            return slot.data
+        if self._group != group.index:
+            self._group, self._shard = group.index, self._residency.read_shard(group.index)
+        assert self._shard is not None
+        return self._shard[slot.shard_start : slot.shard_start + slot.data.numel()]
