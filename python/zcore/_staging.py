@@ -83,6 +83,18 @@ def make_pool(budget: int, lock: LockMode) -> _C.HostBufferPool:
     return _C.HostBufferPool(budget, _LOCK_POLICIES[lock], registrar)
 
 
+PAGE = 4096
+
+
+def page_placed(nbytes: int, offset: int = 0) -> torch.Tensor:
+    """``nbytes`` bytes whose address equals ``offset`` modulo the page
+    size: O_DIRECT moves a file's bytes at ``offset`` straight into or out
+    of them, without the engine's bounce buffers."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    shift = (offset - raw.data_ptr()) % PAGE
+    return raw[shift : shift + nbytes]
+
+
 class Staging:
     """A pool buffer holding the bytes of one tensor on the host."""
 

@@ -49,9 +49,11 @@ def consolidate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zcore", description="zcore: ZeRO memory engine for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo", help="train a small GPT with ZeRO-3 on local ranks (extra options: --steps, --micro-batch)"
+    demo_help = (
+        "train a small GPT with ZeRO-3 on local ranks (extra options: --steps N, --micro-batch N, "
+        "--nvme PATH: parameters and optimizer states on NVMe under PATH)"
     )
+    demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
     demo_parser.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     merge = commands.add_parser(
         "consolidate",

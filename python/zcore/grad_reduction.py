@@ -13,9 +13,10 @@ Two policies:
   a full-size fp32 buffer across micro-steps and are reduced once, during the
   backward of the boundary micro-step: all-reduce (stage 0, every rank keeps
   the whole unit) or reduce-scatter into this rank's shard (stage 1).
-- ``ReduceScatterEveryMicroStep`` (stage 2): every micro-step's gradients are
-  reduce-scattered and accumulated in fp32 into this rank's shard; no
-  full-size fp32 gradient lives on a rank.
+- ``ReduceScatterEveryMicroStep`` (stages 2 and 3): every micro-step's
+  gradients are reduce-scattered and accumulated in fp32 into this rank's
+  shard (zcore.gradient_shards: in memory, or on NVMe with the optimizer);
+  no full-size fp32 gradient lives on a rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from zcore import comm
+from zcore.gradient_shards import GradientShards, ResidentGradients, squared_norm_of
 from zcore.partition import Unit
 
 # Stage 2 keeps at most this many reduce-scatters in flight before retiring
@@ -141,8 +143,19 @@ class GradientReducer:
         """The averaged fp32 gradient of this rank's shard (valid at the boundary)."""
         raise NotImplementedError
 
+    def squared_norm(self) -> torch.Tensor:
+        """The sum of squares of this rank's gradient shards (float64 scalar)."""
+        raise NotImplementedError
+
     def zero_grads(self) -> None:
         raise NotImplementedError
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The gradient buffers held in memory between steps (memory report)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Removes a gradient swap file, if any."""
 
 
 class AccumulateThenReduce(GradientReducer):
@@ -195,9 +208,15 @@ class AccumulateThenReduce(GradientReducer):
     def grad_shard(self, unit: int) -> torch.Tensor:
         return self.shards[unit]
 
+    def squared_norm(self) -> torch.Tensor:
+        return squared_norm_of(self.shards)
+
     def zero_grads(self) -> None:
         for s in self.shards:
             s.zero_()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.shards) + (list(self.acc) if self.sharded else [])
 
 
 class ReduceScatterEveryMicroStep(GradientReducer):
@@ -205,9 +224,12 @@ class ReduceScatterEveryMicroStep(GradientReducer):
 
     sharded = True  # each rank holds only its shard of the gradients
 
-    def __init__(self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, grads: GradientShards | None = None
+    ) -> None:
+        """``grads``: where the shards accumulate (default: in memory, on the device)."""
         super().__init__(units, world_size, reduce_dtype)
-        self.shards = [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for u in units]
+        self.grads = grads if grads is not None else ResidentGradients(units)
         self.buckets: list[torch.Tensor | None] = [None] * len(units)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
 
@@ -243,7 +265,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         u, out, _, work = entry
         if work is not None:
             work.wait()
-        self.shards[u].add_(out.to(torch.float32), alpha=1.0 / self.world_size)
+        self.grads.add(u, out, 1.0 / self.world_size, final=self.boundary)
 
     def _retire_all(self) -> None:
         for entry in self._pending:
@@ -251,8 +273,16 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         self._pending.clear()
 
     def grad_shard(self, unit: int) -> torch.Tensor:
-        return self.shards[unit]
+        return self.grads.get(unit)
+
+    def squared_norm(self) -> torch.Tensor:
+        return self.grads.squared_norm()
 
     def zero_grads(self) -> None:
-        for s in self.shards:
-            s.zero_()
+        self.grads.zero()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self.grads.tensors()
+
+    def close(self) -> None:
+        self.grads.close()

@@ -22,6 +22,8 @@ from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
 from zcore.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from zcore.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
+from zcore.gradient_shards import SwappedGradients
+from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
@@ -117,6 +119,7 @@ def initialize(
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, context, policies)
         master = _master(units, offload, context)
         _fill(plan, sharded_groups, context, meta, fetcher, master, units)
+        fetcher_hooks += hooks.register_backward_exit_hooks(fetcher)
         layouts: list = []  # placed in the compute dtype already
     else:
         _place_and_synchronise(model, context)
@@ -129,7 +132,7 @@ def initialize(
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
-    reducer = _reducer(policies.stage, units, precision)
+    reducer = _reducer(policies.stage, offload, units, precision)
     handles = hooks.register_gradient_hooks(units, reducer)
     residency: ParamResidency
     publisher: Publisher
@@ -202,6 +205,7 @@ def _inference_engine(
         plan, groups, hooked = _plan_shards(model, context, precision)
         fetcher, handles = _fetcher(model, groups, hooked, cfg, context, policies)
         _fill(plan, groups, context, meta_init, fetcher)
+        handles += hooks.register_backward_exit_hooks(fetcher)
         _cast_model(model, [], precision)
         residency = fetcher
     else:
@@ -219,7 +223,9 @@ def _fetcher(
     context: comm.DistributedContext,
     policies: Policies,
 ) -> tuple[ParamFetcher, list]:
-    """Stage 3's parameter fetcher over the groups, with its module hooks."""
+    """Stage 3's parameter fetcher over the groups, with its module hooks
+    (the parameters' hooks come once ``_fill`` has materialised them: a
+    meta parameter's hooks do not survive materialisation)."""
     zero, offload = cfg.zero_optimization, policies.offload
     fetcher = ParamFetcher(
         model, groups, hooked, coordinator_config(zero), context.world_size, offload,
@@ -227,7 +233,6 @@ def _fetcher(
         swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
-    handles += hooks.register_backward_exit_hooks(fetcher)
     gathered_parameters.track(fetcher)
     for module in model.modules():
         for param in gathered_parameters.pending_external(module):
@@ -424,9 +429,18 @@ def _cast_model(
                     setattr(module, name, buf.to(dtype))
 
 
-def _reducer(stage: StagePolicy, units: list[Unit], precision: MixedPrecision) -> GradientReducer:
+def _reducer(
+    stage: StagePolicy, offload: OffloadPolicy, units: list[Unit], precision: MixedPrecision
+) -> GradientReducer:
     if stage.reduce_scatters_every_micro_step:
-        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype)
+        grads = None
+        if offload.optimizer_swap is not None:  # gradient shards go where the optimizer runs
+            largest = max((u.shard_numel * 4 for u in units), default=PAGE_ALIGNMENT)
+            swap = offload.optimizer_swap.open(
+                "gradients", gradient_swap_capacity(units, PAGE_ALIGNMENT), 3 * (largest + PAGE_ALIGNMENT)
+            )
+            grads = SwappedGradients(units, swap, pending_limit=2 * largest)
+        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype, grads)
     return AccumulateThenReduce(units, stage.world_size, precision.reduce_dtype, sharded=stage.shards_optimizer_states)
 
 

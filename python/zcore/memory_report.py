@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from zcore import _C
-from zcore.grad_reduction import AccumulateThenReduce
+from zcore.gradient_shards import SwappedGradients
 from zcore.partition import Unit
 from zcore.policies import Policies, Tier
 from zcore.sharded_optimizer import ShardedOptimizer
@@ -175,10 +175,10 @@ def _measure_gradients(optimizer: ShardedOptimizer, table: _Table) -> None:
     """The reducer's fp32 gradients are on the device; an optimizer offloaded
     to the host from a GPU keeps fp32 copies of the shards beside it."""
     reducer = optimizer.reducer
-    on_device = list(reducer.shards)
-    if isinstance(reducer, AccumulateThenReduce) and reducer.sharded:
-        on_device += reducer.acc
-    table.add("gradients", DEVICE, _tensor_bytes(on_device))
+    table.add("gradients", DEVICE, _tensor_bytes(reducer.held_tensors()))
+    grads = getattr(reducer, "grads", None)
+    if isinstance(grads, SwappedGradients):
+        table.add("gradients", NVME, grads.nvme_bytes())
     table.add("gradients", HOST, _tensor_bytes(optimizer.update.host_grads or []))
 
 
@@ -198,7 +198,7 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 #   shard and its gathered p*numel on the device;
 # - gradients, fp32 on the device: a full-size accumulator 4*Psi in stages 0
 #   and 1, plus the reduced shard 4*Psi/N in stage 1; only the shard 4*Psi/N
-#   in stages 2 and 3. An optimizer on the host, with a GPU computing, adds
+#   in stages 2 and 3, which goes to NVMe with the optimizer states there. An optimizer on the host, with a GPU computing, adds
 #   fp32 host copies of the shards, 4*Psi/N (4*Psi in stage 0);
 # - optimizer states: fp32 Adam's master, exp_avg and exp_avg_sq, 12*Psi/N
 #   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
@@ -220,7 +220,10 @@ def _theory_states(policies: Policies, units: list[Unit], device: torch.device, 
     shard = psi // shards
     full_accumulator = 4 * psi if not stage.reduce_scatters_every_micro_step else 0
     reduced = 4 * shard if stage.shards_optimizer_states else 0
-    table.add("gradients", DEVICE, full_accumulator + reduced)
+    # With the optimizer on NVMe, stages 2-3 keep the reduced shards there too.
+    swapped = offload.optimizer is Tier.NVME and stage.reduce_scatters_every_micro_step
+    table.add("gradients", DEVICE, full_accumulator + (0 if swapped else reduced))
+    table.add("gradients", NVME, reduced if swapped else 0)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, 4 * shard)
     table.add("optimizer_states", _TIER_NAMES[offload.optimizer], 12 * shard)

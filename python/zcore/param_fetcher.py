@@ -244,7 +244,13 @@ class ParamFetcher:
     def parameter_swap_bytes(self) -> int:
         """Bytes the NVMe shards take in this rank's swap file (extents
         rounded to the I/O alignment); 0 when no shard rests on NVMe."""
-        return self._store.swap_bytes()
+        stats = self._store.swap_stats()
+        return 0 if stats is None else stats.used
+
+    def parameter_swap_stats(self) -> Optional[_C.SwapStats]:
+        """The parameter swap file's counters (bytes swapped in and out since
+        start-up, bytes used, ...); None when no shard rests on NVMe."""
+        return self._store.swap_stats()
 
     def finish_writes(self) -> None:
         self._plans.execute(self.coordinator.finish_stores())

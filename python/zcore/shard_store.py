@@ -178,10 +178,10 @@ class ShardStore:
         held = [*self._incoming.values(), *self._writing.values()]
         return sum(t.numel() * t.element_size() for t in held)
 
-    def swap_bytes(self) -> int:
-        """Bytes the NVMe shards take in the swap file (extents rounded to
-        the I/O alignment); 0 when no shard rests on NVMe."""
-        return 0 if self._swap is None else self._swap.stats().used
+    def swap_stats(self) -> Optional[_C.SwapStats]:
+        """The swap file's counters (bytes used, swapped in and out); None
+        when no shard rests on NVMe."""
+        return None if self._swap is None else self._swap.stats()
 
     def close(self) -> None:
         """Removes the swap file (the shards on NVMe are gone)."""

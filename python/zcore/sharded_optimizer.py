@@ -293,11 +293,9 @@ class ShardedOptimizer:
         return StepResult(skipped=False, grad_norm=norm)
 
     def _global_norm(self, inv_scale: float) -> float:
-        # On the gradients' device: an NCCL group has no CPU collectives.
-        squares = torch.zeros((), dtype=torch.float64, device=self.reducer.grad_shard(0).device)
-        for u in range(len(self.units)):
-            shard = self.reducer.grad_shard(u)
-            squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double() ** 2
+        squares = self.reducer.squared_norm()
+        if self.units:  # the collective runs on the units' device: NCCL has no CPU tensors
+            squares = squares.to(self.units[0].device)
         # Stage 0 reduces whole gradients: every rank already has the total.
         if self.reducer.sharded and self.world_size > 1:
             comm.all_reduce_sum(squares)

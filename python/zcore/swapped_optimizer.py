@@ -259,6 +259,7 @@ class SwappedAdamUpdate(TorchUpdate):
         self._read_ahead = read_ahead
         self._write_behind = write_behind
         self._used: list[list[bool]] = [[] for _ in master.units]
+        self._grads: dict[int, torch.Tensor] = {}  # unit -> its gradient shard on the host, during a step
         self._group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
 
     def grad_source(self, unit: int) -> torch.Tensor:
@@ -274,7 +275,10 @@ class SwappedAdamUpdate(TorchUpdate):
         return 0  # on NVMe; sub-groups pass through host memory during the step only
 
     def close(self) -> None:
-        self.master.swap.close()
+        try:
+            self.master.swap.close()
+        finally:
+            self.reducer.close()
 
     def apply(self, coefficient: float) -> None:
         units, pieces = self.master.units, self.master.pieces
@@ -285,6 +289,7 @@ class SwappedAdamUpdate(TorchUpdate):
                     state = self._state(pieces[u][k])
                     steps[(u, k)] = int(state["step"].item()) + 1
         outs: dict[int, torch.Tensor] = {}
+        self._grads.clear()
         subs = {s.key: s for s in self.master.sub_groups if s.numel > 0}
         stream = self.master.swap.stream(subs, read_ahead=self._read_ahead, write_behind=self._write_behind)
         # Driven to its end (never zip()ped), so that the last sub-group is written back.
@@ -292,6 +297,7 @@ class SwappedAdamUpdate(TorchUpdate):
             sub = subs[key]
             self._step_sub_group(sub, states.view(STATES, sub.numel), steps, coefficient, outs)
             for u in sub.finishes:
+                self._grads.pop(u, None)
                 out = outs.pop(u)
                 if out is not self.shards.resident(units[u]):
                     self.shards.write(units[u], out)
@@ -329,8 +335,13 @@ class SwappedAdamUpdate(TorchUpdate):
                 out.copy_(master[run.offset : run.offset + run.numel])
 
     def _grad(self, run: Run) -> torch.Tensor:
-        shard = self.reducer.grad_shard(run.unit)[run.unit_start : run.unit_start + run.numel]
-        return shard if shard.device.type == "cpu" else shard.to("cpu")
+        """Read once per unit (from NVMe, or copied from the device) and
+        kept until the unit's last sub-group is stepped."""
+        shard = self._grads.get(run.unit)
+        if shard is None:
+            shard = self.reducer.grad_shard(run.unit)
+            shard = self._grads[run.unit] = shard if shard.device.type == "cpu" else shard.to("cpu")
+        return shard[run.unit_start : run.unit_start + run.numel]
 
     def _out_buffer(self, unit: int) -> torch.Tensor:
         resident = self.shards.resident(self.master.units[unit])

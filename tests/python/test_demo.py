@@ -1,4 +1,5 @@
-"""The README's main command: `zcore demo` trains with ZeRO-3 on 2 ranks."""
+"""The README's main command: `zcore demo` trains with ZeRO-3 on 2 ranks (with
+`--nvme PATH`, parameters and optimizer states on NVMe)."""
 
 import re
 import subprocess
@@ -18,3 +19,32 @@ def test_demo_trains_and_reports_memory():
     held = [float(v) for v in re.findall(r"rank \d: ([\d.]+) MiB held by zcore", done.stdout)]
     ddp = float(re.search(r"DDP would hold ([\d.]+) MiB", done.stdout).group(1))
     assert len(held) == 2 and all(h < ddp for h in held)
+
+
+def test_demo_with_states_on_nvme_reports_tiers_and_traffic(tmp_path):
+    """`zcore demo --nvme PATH`: parameters and optimizer states in swap
+    files under PATH; the report says where the bytes lived and how many
+    went through the files, and the files are gone afterwards."""
+    zcore_cli = Path(sys.executable).with_name("zcore")
+    nvme = tmp_path / "nvme"
+    done = subprocess.run(
+        [str(zcore_cli), "demo", "--steps", "6", "--nvme", str(nvme)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert f"parameters and optimizer states on NVMe under {nvme}" in out
+    assert "parameters on nvme, optimizer states on nvme" in out
+    header = next(line for line in out.splitlines() if "device" in line and "nvme" in line and "total" in line)
+    assert header.split() == ["device", "host", "nvme", "total"]
+    on_nvme = [float(v) for v in re.findall(r"rank \d: [\d.]+ MiB held by zcore \(device [\d.]+, host [\d.]+, "
+                                             r"nvme ([\d.]+)\)", out)]
+    assert len(on_nvme) == 2 and all(v > 0 for v in on_nvme), out
+    traffic = re.findall(
+        r"rank \d: parameters ([\d.]+) MiB read \((\d+) shard fetches\), ([\d.]+) MiB written; "
+        r"optimizer states ([\d.]+) MiB read, ([\d.]+) MiB written", out)  # fmt: skip
+    assert len(traffic) == 2, out
+    for row in traffic:
+        assert all(float(v) > 0 for v in row), row
+    assert f"swap files removed by engine.destroy(): 0 left in {nvme}" in out
+    assert list(nvme.iterdir()) == []

@@ -11,7 +11,8 @@ import pytest
 
 import zcore
 from zcore.aio import AioEngine
-from zcore.checkpoint.direct_file import CHUNK, DEPTH, PAGE, DirectAppender
+from zcore._staging import PAGE
+from zcore.checkpoint.direct_file import CHUNK, DEPTH, DirectAppender
 
 
 def pieces(rng: np.random.Generator, total: int) -> list[bytes]:

@@ -17,20 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zcore._staging import page_placed
 from zcore.aio import AioEngine, IoHandle
 
-PAGE = 4096
 CHUNK = 8 << 20  # bytes per staging buffer, a multiple of PAGE
 DEPTH = 4  # staging buffers: one filling while the others are written
-
-
-def page_placed(nbytes: int, offset: int = 0) -> torch.Tensor:
-    """``nbytes`` bytes whose address equals ``offset`` modulo the page
-    size: O_DIRECT moves a file's bytes at ``offset`` straight into or out
-    of them, without the engine's bounce buffers."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    shift = (offset - raw.data_ptr()) % PAGE
-    return raw[shift : shift + nbytes]
 
 
 class DirectAppender:

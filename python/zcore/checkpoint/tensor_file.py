@@ -28,7 +28,7 @@ import xxhash
 
 from zcore.aio import AioEngine
 from zcore.checkpoint import durable
-from zcore.checkpoint.direct_file import page_placed
+from zcore._staging import page_placed
 from zcore.checkpoint.files import open_regular
 from zcore.errors import CheckpointCorruptError
 
