@@ -14,7 +14,7 @@ exists whole in memory. It trains on one fixed batch of random tokens
 and written through each swap file (parameters, optimizer states,
 gradients), and the bandwidth achieved; then fio, in the same run and
 directory (libaio, O_DIRECT, 1 MiB blocks, the config's queue depth),
-reads and writes as many bytes as one step, giving the disk-bound time of
+reads and writes a 4 GiB sample each way, giving the disk-bound time of
 the step's I/O (read bytes / fio read bandwidth + written bytes / fio
 write bandwidth). Peak RSS is the process's VmHWM, restarted before
 zcore.initialize. The script re-executes itself with
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nvme_optimizer import Fio, filesystem_of, fio_version, page_cache_dropper  # noqa: E402
 
 VOCAB = 8192
+FIO_SAMPLE = 4 << 30  # bytes fio reads and writes to measure the disk
 STATE_BYTES = 16  # bf16 parameter and gradient, fp32 master, exp_avg, exp_avg_sq (DeepSpeed's count)
 
 
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-live", type=int, default=400_000_000, help="stage3_max_live_parameters")
+    parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
 
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
@@ -111,7 +113,7 @@ def main() -> None:
     config = {
         "train_batch_size": args.batch,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme,
                               "stage3_max_live_parameters": args.max_live},
     }
@@ -143,7 +145,9 @@ def main() -> None:
     read = sum(r for r, _ in last.values())
     written = sum(w for _, w in last.values())
     drop, drop_note = page_cache_dropper(True)
-    fio = Fio(args.nvme_path, read, written, 1 << 20, 8).measure(drop)
+    # fio's bandwidth from a sample of each direction (the step's bytes would not fit twice on disk).
+    sample = min(FIO_SAMPLE, read), min(FIO_SAMPLE, written)
+    fio = Fio(args.nvme_path, *sample, 1 << 20, 8).measure(drop)
     for path in (args.nvme_path / "fio-a.bin", args.nvme_path / "fio-b.bin"):
         path.unlink(missing_ok=True)
     bound = read / fio.read_bps + written / fio.write_bps
@@ -157,7 +161,7 @@ def main() -> None:
         w = " / ".join(f"{io[k][1] / 1e9:.1f}" for k in ("parameters", "optimizer", "gradients"))
         total = sum(a + b for a, b in io.values())
         print(f"| {step} | {loss:.4f} | {seconds:.1f} | {r} | {w} | {total / seconds / 1e9:.2f} | {peak / 2**30:.2f} |")
-    print(f"\nfio on {args.nvme_path}: read {fio.read_bps / 1e9:.2f} GB/s, write {fio.write_bps / 1e9:.2f} GB/s, "
+    print(f"\nfio on {args.nvme_path} ({sample[0] / 2**30:.0f} GiB read, {sample[1] / 2**30:.0f} GiB written): read {fio.read_bps / 1e9:.2f} GB/s, write {fio.write_bps / 1e9:.2f} GB/s, "
           f"both at once {fio.both_read_bps / 1e9:.2f} / {fio.both_write_bps / 1e9:.2f} GB/s")
     print(f"last step: {read / 1e9:.1f} GB read, {written / 1e9:.1f} GB written; disk-bound time {bound:.1f} s "
           f"against {rows[-1][2]:.1f} s measured ({bound / rows[-1][2]:.2f}x)")
