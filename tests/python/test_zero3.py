@@ -10,17 +10,11 @@ memory stays within persistent + live budget + prefetch bucket."""
 import pytest
 
 from distributed import run_ranks
-from training import assert_variants_match, train_zcore, zcore_config
+from training import BUCKET, LIVE, ON_DEMAND, TIGHT, assert_variants_match, train_zcore, zcore_config
 
 STEPS = 20
 TOLERANCE = 1e-5
 BATCH = 24  # divisible by world x accumulation for worlds 1-4 and accumulation 2
-# Small groups everywhere (these models are tiny): gathered and released per module.
-ON_DEMAND = {"stage3_param_persistence_threshold": 0}
-# Room for one module's groups and a little prefetch, far less than the model.
-LIVE, BUCKET = 6000, 3000
-TIGHT = {**ON_DEMAND, "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": BUCKET,
-         "stage3_max_reuse_distance": 0}
 # (label, model, accumulation, clipping, CPU offload, stage-3 keys)
 VARIANTS = [
     ("prefetch", "gpt", 1, 0.0, False, ON_DEMAND),

@@ -14,14 +14,20 @@ import pytest
 
 from distributed import run_ranks
 from models import make_model
-from training import assert_matches, relative_error, train_reference, train_zcore, zcore_config
+from training import (
+    BUCKET,
+    LIVE,
+    ON_DEMAND,
+    TIGHT,
+    assert_matches,
+    relative_error,
+    train_reference,
+    train_zcore,
+    zcore_config,
+)
 
 STEPS = 20
 TOLERANCE = 1e-5
-ON_DEMAND = {"stage3_param_persistence_threshold": 0}
-LIVE, BUCKET = 6000, 3000  # a block of the tiny GPT has 12.6k parameters
-TIGHT = {**ON_DEMAND, "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": BUCKET,
-         "stage3_max_reuse_distance": 0}
 # (label, model, stage, accumulation, clipping, zero_optimization keys)
 VARIANTS = [
     ("stage 3", "gpt_checkpointed", 3, 1, 0.0, ON_DEMAND),

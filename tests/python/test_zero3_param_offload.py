@@ -11,15 +11,11 @@ after a step."""
 import pytest
 
 from distributed import run_ranks
-from training import assert_variants_match, train_zcore, zcore_config
+from training import ON_DEMAND, TIGHT, assert_variants_match, train_zcore, zcore_config
 
 STEPS = 20
 TOLERANCE = 1e-5
 BATCH = 12
-ON_DEMAND = {"stage3_param_persistence_threshold": 0}
-LIVE, BUCKET = 6000, 3000
-TIGHT = {**ON_DEMAND, "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": BUCKET,
-         "stage3_max_reuse_distance": 0}
 HOST = {"offload_param": {"device": "cpu"}}
 # (label, model, accumulation, clipping, optimizer on the host, stage-3 keys)
 VARIANTS = [

@@ -13,15 +13,19 @@ import os
 import pytest
 
 from distributed import run_ranks
-from training import assert_matches, assert_variants_match, train_reference, train_zcore, zcore_config
+from training import (
+    ON_DEMAND,
+    TIGHT,
+    assert_matches,
+    assert_variants_match,
+    train_reference,
+    train_zcore,
+    zcore_config,
+)
 
 STEPS = 20
 TOLERANCE = 1e-5
 BATCH = 12
-ON_DEMAND = {"stage3_param_persistence_threshold": 0}
-LIVE, BUCKET = 6000, 3000
-TIGHT = {**ON_DEMAND, "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": BUCKET,
-         "stage3_max_reuse_distance": 0}
 SMALL_SUB_GROUPS = {"sub_group_size": 1000}  # the GPT's units are larger: they span sub-groups
 
 

@@ -24,6 +24,12 @@ LR = 3e-3
 WEIGHT_DECAY = 0.01
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE_POWER = 8  # small enough that these models never overflow
+# Stage 3: no group stays gathered between uses; and a tight live budget
+# (a block of the tiny GPT has 12.6k parameters).
+ON_DEMAND = {"stage3_param_persistence_threshold": 0}
+LIVE, BUCKET = 6000, 3000
+TIGHT = {**ON_DEMAND, "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": BUCKET,
+         "stage3_max_reuse_distance": 0}
 
 
 def zcore_config(
