@@ -8,14 +8,14 @@ Targets: the loss falls and peak RSS stays at or below 8 GiB.
 
 The GPT (zcore.demo.gpt: vocab 8192, LM head tied) is built on the meta
 device and materialised one module at a time by zcore.initialize (stage 3,
-bf16, offload_param and offload_optimizer on --nvme-path), so it never
-exists whole in memory. It trains on one fixed batch of random tokens
-(memorising it makes the loss fall fast). Per step: time, loss, bytes read
-and written through each swap file (parameters, optimizer states,
-gradients), and the bandwidth achieved; then fio, in the same run and
-directory (libaio, O_DIRECT, 1 MiB blocks, the config's queue depth),
-reads and writes a 4 GiB sample each way, giving the disk-bound time of
-the step's I/O (read bytes / fio read bandwidth + written bytes / fio
+bf16, offload_param with max_in_cpu 0 (every shard) and offload_optimizer on
+--nvme-path), so it never exists whole in memory. It trains on one fixed
+batch of random tokens (memorising it makes the loss fall fast). Per step:
+time, loss, bytes read and written through each swap file (parameters,
+optimizer states, gradients), and the bandwidth achieved; then fio, in the
+same run and directory (libaio, O_DIRECT, 1 MiB blocks, the config's queue
+depth), reads and writes a 4 GiB sample each way, giving the disk-bound time
+of the step's I/O (read bytes / fio read bandwidth + written bytes / fio
 write bandwidth). Peak RSS is the process's VmHWM, restarted before
 zcore.initialize. The script re-executes itself with
 MALLOC_MMAP_THRESHOLD_=1048576 (see the README's ZeRO-Infinity section).
@@ -114,7 +114,8 @@ def main() -> None:
         "train_batch_size": args.batch,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme,
+        # max_in_cpu 0: every parameter shard on NVMe (the default keeps 1e9 elements in host memory).
+        "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
                               "stage3_max_live_parameters": args.max_live},
     }
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:

@@ -84,25 +84,29 @@ void bind_coordinator(py::module_& m) {
       "Budgets of the coordinator, in parameter elements (staging_bytes in bytes).")
       .def(py::init([](std::int64_t bucket, std::int64_t live, std::int64_t reuse,
                        std::int64_t persistence, std::int64_t window, std::int64_t staging,
-                       std::int64_t horizon) {
-             return CoordinatorConfig{bucket, live, reuse, persistence, window, staging, horizon};
+                       std::int64_t horizon, std::int64_t nvme_host) {
+             return CoordinatorConfig{bucket, live, reuse, persistence, window, staging, horizon,
+                                      nvme_host};
            }),
            py::kw_only(), py::arg("prefetch_bucket_elements") = 50'000'000,
            py::arg("max_live_elements") = 1'000'000'000,
            py::arg("max_reuse_distance") = 1'000'000'000,
            py::arg("persistence_threshold") = 100'000, py::arg("resync_window") = 64,
            py::arg("staging_bytes") = 0, py::arg("fetch_horizon_uses") = 64,
+           py::arg("nvme_host_elements") = 0,
            "Defaults are DeepSpeed's stage3_prefetch_bucket_size, stage3_max_live_parameters, "
            "stage3_max_reuse_distance and stage3_param_persistence_threshold. staging_bytes: "
            "device staging for offloaded shards (at least the largest one); "
-           "fetch_horizon_uses: trace uses ahead of the position that shard fetches may start.")
+           "fetch_horizon_uses: trace uses ahead of the position that shard fetches may start; "
+           "nvme_host_elements: elements of NVMe-tier shards kept in host memory (max_in_cpu).")
       .def_readwrite("prefetch_bucket_elements", &CoordinatorConfig::prefetch_bucket_elements)
       .def_readwrite("max_live_elements", &CoordinatorConfig::max_live_elements)
       .def_readwrite("max_reuse_distance", &CoordinatorConfig::max_reuse_distance)
       .def_readwrite("persistence_threshold", &CoordinatorConfig::persistence_threshold)
       .def_readwrite("resync_window", &CoordinatorConfig::resync_window)
       .def_readwrite("staging_bytes", &CoordinatorConfig::staging_bytes)
-      .def_readwrite("fetch_horizon_uses", &CoordinatorConfig::fetch_horizon_uses);
+      .def_readwrite("fetch_horizon_uses", &CoordinatorConfig::fetch_horizon_uses)
+      .def_readwrite("nvme_host_elements", &CoordinatorConfig::nvme_host_elements);
 
   py::class_<TraceDeparture>(m, "TraceDeparture",
                              "Where a step left its recorded trace (-1: none).")

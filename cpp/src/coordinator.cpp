@@ -25,6 +25,7 @@ const CoordinatorConfig& validated(const CoordinatorConfig& config) {
       {"resync_window", config.resync_window},
       {"staging_bytes", config.staging_bytes},
       {"fetch_horizon_uses", config.fetch_horizon_uses},
+      {"nvme_host_elements", config.nvme_host_elements},
   };
   for (const auto& [name, value] : values) {
     if (value < 0) {
@@ -72,8 +73,18 @@ GroupId ParamCoordinator::register_group(std::int64_t numel, std::int64_t elemen
                  {"needed", shard_bytes}});
   }
   const GroupId id = groups_.add(numel, element_size, persistent);
-  shards_.add(shard_bytes, tier);
+  shards_.add(shard_bytes, tier_kept(tier, shard_numel));
   return id;
+}
+
+ShardTier ParamCoordinator::tier_kept(ShardTier tier, std::int64_t shard_numel) {
+  if (tier != ShardTier::kNvme) return tier;
+  if (!nvme_spilled_ && nvme_kept_in_host_ + shard_numel <= config_.nvme_host_elements) {
+    nvme_kept_in_host_ += shard_numel;
+    return ShardTier::kHost;
+  }
+  nvme_spilled_ = true;  // as DeepSpeed: once a shard goes to NVMe, every later one does
+  return ShardTier::kNvme;
 }
 
 ModuleId ParamCoordinator::register_module(const std::vector<GroupId>& groups) {

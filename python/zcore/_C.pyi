@@ -123,6 +123,7 @@ class CoordinatorConfig:
     resync_window: int
     staging_bytes: int
     fetch_horizon_uses: int
+    nvme_host_elements: int
     def __init__(
         self,
         *,
@@ -133,6 +134,7 @@ class CoordinatorConfig:
         resync_window: int = 64,
         staging_bytes: int = 0,
         fetch_horizon_uses: int = 64,
+        nvme_host_elements: int = 0,
     ) -> None: ...
 
 class TraceDeparture:

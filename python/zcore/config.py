@@ -252,7 +252,10 @@ class OffloadParamConfig(_OffloadSection):
     # initialize, where the model is known).
     buffer_count: int = Field(5, ge=1)  # staging buffers
     buffer_size: int = Field(100_000_000, gt=0)  # elements per staging buffer
-    max_in_cpu: int = Field(1_000_000_000, ge=0)  # elements of shards staged in host memory at once
+    # NVMe, as DeepSpeed: this many elements of a rank's shards stay in host
+    # memory (the first groups, up to the first that does not fit); the
+    # rest go to NVMe. 0 puts every offloaded shard on NVMe.
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
 
 
 class AioConfig(_Section):

@@ -21,7 +21,7 @@ import torch
 from zcore import _C
 from zcore.gradient_shards import SwappedGradients
 from zcore.partition import Unit
-from zcore.policies import Policies, Tier
+from zcore.policies import OffloadPolicy, Policies, Tier
 from zcore.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def measure_memory(
     measured, theoretical = _Table(), _Table()
     if stage.shards_parameters:
         _measure_sharded_parameters(residency, measured)
-        _theory_sharded_parameters(residency, _TIER_NAMES[offload.parameters], stage.world_size, theoretical)
+        _theory_sharded_parameters(residency, offload, stage.world_size, theoretical)
     else:
         # Whole on every rank: the units, and the parameters outside them (frozen).
         in_units = {id(p) for u in units for p in u.params}
@@ -204,13 +204,20 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 #   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
 #   memory between steps;
 # - buffers: the module's, whole on the device on every rank.
-def _theory_sharded_parameters(fetcher: ParamFetcher, tier: str, world: int, table: _Table) -> None:
+def _theory_sharded_parameters(fetcher: ParamFetcher, offload: OffloadPolicy, world: int, table: _Table) -> None:
+    kept, spilled = 0, False  # offload_param.max_in_cpu: NVMe shards kept in host memory, in order
     for g in fetcher.groups:
         full = g.numel * g.dtype.itemsize
         if fetcher.persistent(g.index):
             table.add("parameters", DEVICE, full // world + full)
-        else:
-            table.add("parameters", tier, full // world)
+            continue
+        tier = _TIER_NAMES[offload.parameters]
+        if offload.parameters is Tier.NVME:
+            spilled = spilled or kept + g.shard_numel > offload.nvme_host_elements
+            if not spilled:
+                kept += g.shard_numel
+                tier = HOST
+        table.add("parameters", tier, full // world)
 
 
 def _theory_states(policies: Policies, units: list[Unit], device: torch.device, table: _Table) -> None:

@@ -94,13 +94,16 @@ class ParamFetcher:
         ``check_every_module``: ranks agree on every use, not only on the
         uses no trace foresaw (config stage3_rank_agreement_check).
         ``offload.parameters``: the tier of every group's shard (persistent
-        groups stay on the device); ``swap(capacity, host_bytes)`` opens the
+        groups stay on the device, and NVMe shards within
+        ``offload.nvme_host_elements`` in host memory); ``swap(capacity,
+        host_bytes)`` opens the
         swap file of NVMe shards, with a host pool of ``host_bytes`` for reads."""
         self.groups = groups
         self.world_size = world_size
         tier = _TIERS[offload.parameters]
         if tier != _C.ShardTier.DEVICE:
             config.staging_bytes = staging_bytes(groups, config, world_size, offload)
+        config.nvme_host_elements = offload.nvme_host_elements
         self.coordinator = _C.ParamCoordinator(config)
         for g in groups:
             self.coordinator.register_group(
@@ -388,8 +391,8 @@ def staging_bytes(
     the prefetch bucket's share of this rank (so that reads run ahead of the
     all-gathers), and never less than the largest offloaded shard, so that
     any model trains, whatever its largest layer. A budget the user set
-    (offload_param buffer_count x buffer_size, max_in_cpu) is taken as it is,
-    and refused at once if the largest shard does not fit in it."""
+    (offload_param buffer_count x buffer_size) is taken as it is, and
+    refused at once if the largest shard does not fit in it."""
     offloaded = [g for g in groups if g.padded_numel >= config.persistence_threshold]
     if not offloaded:
         return 0
@@ -408,13 +411,6 @@ def staging_bytes(
         elements = count * size
     else:
         elements = max(need, 2 * config.prefetch_bucket_elements // world_size)
-    if offload.max_staged_elements is not None:
-        if offload.max_staged_elements < need:
-            raise ConfigError(
-                f"zero_optimization.offload_param.max_in_cpu = {offload.max_staged_elements} elements "
-                f"cannot hold {what}: set it to at least {need}"
-            )
-        elements = min(elements, offload.max_staged_elements)
     return elements * itemsize
 
 

@@ -101,10 +101,11 @@ class OffloadPolicy:
     optimizer_swap: Optional[SwapSpace] = None  # optimizer states on NVMe
     # Stage 3 offload: staging for shards read ahead of their all-gathers,
     # as the user set it: (offload_param.buffer_count, buffer_size), in
-    # elements; None derives it from the model. At most max_staged_elements
-    # (offload_param.max_in_cpu) when set.
+    # elements; None derives it from the model.
     staging_buffers: Optional[tuple[int, int]] = None
-    max_staged_elements: Optional[int] = None
+    # Parameters on NVMe: elements of this rank's shards kept in host memory
+    # instead (offload_param.max_in_cpu).
+    nvme_host_elements: int = 0
     sub_group_size: int = 1_000_000_000  # optimizer elements stepped (and swapped) at once
     sub_group_size_set: bool = False  # given in the config, rather than the default
     optimizer_buffers: int = 4  # host buffers of a sub-group each for the NVMe optimizer
@@ -140,7 +141,7 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
             parameter_swap=_swap_space(cfg, "offload_param") if parameters is Tier.NVME else None,
             optimizer_swap=_swap_space(cfg, "offload_optimizer") if optimizer is Tier.NVME else None,
             staging_buffers=(param.buffer_count, param.buffer_size) if explicit else None,
-            max_staged_elements=param.max_in_cpu if "max_in_cpu" in param.model_fields_set else None,
+            nvme_host_elements=param.max_in_cpu if parameters is Tier.NVME else 0,
             sub_group_size=zero.sub_group_size,
             sub_group_size_set="sub_group_size" in zero.model_fields_set,
             optimizer_buffers=opt.buffer_count,

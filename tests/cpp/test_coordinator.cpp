@@ -663,12 +663,41 @@ TEST(ParamCoordinator, PersistentGroupsKeepTheirShardOnTheDevice) {
   EXPECT_TRUE(c.store_shards({small}).empty());
 }
 
+TEST(ParamCoordinator, NvmeShardsWithinTheHostBudgetStayInHostMemoryUpToTheFirstThatSpills) {
+  CoordinatorConfig cfg;
+  cfg.persistence_threshold = 1000;
+  cfg.staging_bytes = 1 << 20;
+  cfg.nvme_host_elements = 550;
+  ParamCoordinator c(cfg);
+  const GroupId first = c.register_group(1000, 2, 250, ShardTier::kNvme);
+  const GroupId persistent = c.register_group(999, 2, 250, ShardTier::kNvme);
+  const GroupId second = c.register_group(1000, 2, 250, ShardTier::kNvme);
+  const GroupId spills = c.register_group(1000, 2, 250, ShardTier::kNvme);
+  const GroupId would_fit = c.register_group(1000, 2, 40, ShardTier::kNvme);
+  const GroupId host = c.register_group(1000, 2, 250, ShardTier::kHost);
+  EXPECT_EQ(c.shard_tier(first), ShardTier::kHost);
+  EXPECT_EQ(c.shard_tier(persistent), ShardTier::kDevice) << "not counted against the budget";
+  EXPECT_EQ(c.shard_tier(second), ShardTier::kHost);
+  EXPECT_EQ(c.shard_tier(spills), ShardTier::kNvme) << "500 + 250 elements > 550";
+  EXPECT_EQ(c.shard_tier(would_fit), ShardTier::kNvme) << "after the first spill, all go to NVMe";
+  EXPECT_EQ(c.shard_tier(host), ShardTier::kHost);
+  const ModuleId m = c.register_module({second, spills});
+  EXPECT_EQ(c.before_module(m), plan({{Fetch, second}, {Fetch, spills}, {Ready, second}, {G, second},
+                                      {Ready, spills}, {G, spills}, {W, second}, {Drop, second},
+                                      {W, spills}, {Drop, spills}}));
+  c.after_module(m);
+  EXPECT_EQ(c.store_shards({second, spills}), plan({{Store, spills}})) << "only the NVMe shard is written";
+}
+
 TEST(ParamCoordinator, RejectsBadShardsAndStaging) {
   CoordinatorConfig bad;
   bad.staging_bytes = -1;
   EXPECT_EQ(code_of([&] { ParamCoordinator c(bad); }), StatusCode::kInvalidArgument);
   bad = CoordinatorConfig{};
   bad.fetch_horizon_uses = -1;
+  EXPECT_EQ(code_of([&] { ParamCoordinator c(bad); }), StatusCode::kInvalidArgument);
+  bad = CoordinatorConfig{};
+  bad.nvme_host_elements = -1;
   EXPECT_EQ(code_of([&] { ParamCoordinator c(bad); }), StatusCode::kInvalidArgument);
   CoordinatorConfig cfg;
   cfg.staging_bytes = kShard - 1;

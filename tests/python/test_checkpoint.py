@@ -112,10 +112,12 @@ def test_resumes_with_states_on_nvme_and_back(tmp_path: Path) -> None:
     from the host at 2 ranks to NVMe at 1 (in-memory master, NVMe
     parameters), then on NVMe at 3 ranks again."""
     nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    params_on_nvme = {**nvme, "max_in_cpu": 0}  # every shard (by default the first 1e9 elements stay on the host)
     (tmp_path / "swap").mkdir()
     on_nvme = config(3, zero={"stage3_param_persistence_threshold": 0, "sub_group_size": 700,
-                              "offload_param": nvme, "offload_optimizer": nvme})
-    params_nvme = config(3, offload=True, zero={"stage3_param_persistence_threshold": 0, "offload_param": nvme})
+                              "offload_param": params_on_nvme, "offload_optimizer": nvme})
+    params_nvme = config(3, offload=True, zero={"stage3_param_persistence_threshold": 0,
+                                                "offload_param": params_on_nvme})
     on_device = config(3, zero={"stage3_param_persistence_threshold": 0})
     ckpt = str(tmp_path / "ckpt")
     ref = run_ranks(uninterrupted, 2, "mix", on_nvme, ckpt)[0]

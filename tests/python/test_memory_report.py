@@ -71,7 +71,10 @@ def offload_cases(nvme_path: str) -> dict[str, tuple[int, bool, dict]]:
     return {
         "optimizer on host": (2, True, {}),
         "parameters on host": (3, False, {**ON_DEMAND, "offload_param": {"device": "cpu"}}),
-        "both on nvme": (3, False, {**ON_DEMAND, "offload_param": nvme, "offload_optimizer": nvme}),
+        "both on nvme": (3, False, {**ON_DEMAND, "offload_param": {**nvme, "max_in_cpu": 0},
+                                    "offload_optimizer": nvme}),
+        # The first groups' shards in host memory, up to max_in_cpu elements, the rest on NVMe.
+        "parameters split by max_in_cpu": (3, True, {**ON_DEMAND, "offload_param": {**nvme, "max_in_cpu": 50_000}}),
     }
 
 
@@ -102,7 +105,9 @@ def assert_tiers_match(report, extents: int, label: str) -> None:
             )
 
 
-@pytest.mark.parametrize("label", ["optimizer on host", "parameters on host", "both on nvme"])
+@pytest.mark.parametrize(
+    "label", ["optimizer on host", "parameters on host", "both on nvme", "parameters split by max_in_cpu"]
+)
 def test_offloaded_bytes_are_on_their_tier(label, tmp_path):
     world = 2
     params = sum(p.numel() for p in wide_mlp().parameters())
@@ -125,3 +130,9 @@ def test_offloaded_bytes_are_on_their_tier(label, tmp_path):
             assert tiers["nvme"].parameters >= shard, where
             assert tiers["nvme"].optimizer_states >= 3 * shard, where
             assert "nvme" in str(report), where
+        if label == "parameters split by max_in_cpu":
+            # 50k elements hold the first Linear's shard (60.3k / 2), not the second's on top.
+            first = 4 * (200 * 300 + 300) // world
+            assert tiers["host"].parameters == first, where
+            assert tiers["nvme"].parameters >= 4 * (300 * 300 + 300 + 300 * 10 + 10) // world, where
+            assert tiers["device"].parameters == 0, where

@@ -48,7 +48,7 @@ def nvme_config(path: str, params: bool = True, optimizer: bool = True) -> dict:
     nvme = {"device": "nvme", "nvme_path": path}
     zero = {"stage3_param_persistence_threshold": 0, "sub_group_size": 1000}
     if params:
-        zero["offload_param"] = nvme
+        zero["offload_param"] = {**nvme, "max_in_cpu": 0}  # every shard on NVMe
     if optimizer:
         zero["offload_optimizer"] = nvme
     return zcore_config(3, 1, 0.0, zero=zero)

@@ -35,7 +35,8 @@ def greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
 def inference_config(offload: str, path: str, precision: str = "fp32") -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if offload != "none":
-        zero["offload_param"] = {"device": offload, **({"nvme_path": path} if offload == "nvme" else {})}
+        # max_in_cpu 0: every shard on NVMe (by default the first 1e9 elements stay on the host).
+        zero["offload_param"] = {"device": offload, **({"nvme_path": path, "max_in_cpu": 0} if offload == "nvme" else {})}
     config = {"zero_optimization": zero}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}

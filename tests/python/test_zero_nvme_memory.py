@@ -45,7 +45,7 @@ def peak_growth(rank: int, world: int, layers: int, path: str) -> dict:
     config = {
         "train_batch_size": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme,
+        "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
                               "sub_group_size": SUB_GROUP, **LIMITS},
     }
     with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:

@@ -27,16 +27,22 @@ STEPS = 20
 TOLERANCE = 1e-5
 BATCH = 12
 SMALL_SUB_GROUPS = {"sub_group_size": 1000}  # the GPT's units are larger: they span sub-groups
+# offload_param.max_in_cpu below a rank's 9.3k-27.8k elements at worlds 1-3,
+# above its largest parameter: the first groups stay in host memory.
+SPLIT = 6000
 
 
 def variants(path: str) -> list[tuple]:
     nvme = {"device": "nvme", "nvme_path": path}
-    params_nvme = {"offload_param": nvme}
+    # max_in_cpu 0: every shard on NVMe (by default the first 1e9 elements stay in host memory).
+    params_nvme = {"offload_param": {**nvme, "max_in_cpu": 0}}
+    params_split = {"offload_param": {**nvme, "max_in_cpu": SPLIT}}
     params_host = {"offload_param": {"device": "cpu"}}
     opt_nvme = {"offload_optimizer": nvme}
     # (label, model, accumulation, clipping, optimizer update, stage, zero_optimization keys)
     return [
         ("params on nvme", "gpt", 1, 0.0, False, 3, {**ON_DEMAND, **params_nvme}),
+        ("params split by max_in_cpu", "gpt", 2, 0.05, "nvme", 3, {**TIGHT, **params_split, **opt_nvme}),
         ("optimizer on nvme", "gpt", 1, 0.0, "nvme", 3, {**ON_DEMAND, **opt_nvme}),
         ("both on nvme", "gpt", 1, 0.0, "nvme", 3, {**ON_DEMAND, **params_nvme, **opt_nvme, **SMALL_SUB_GROUPS}),
         ("params nvme, optimizer host", "gpt", 1, 0.0, True, 3, {**ON_DEMAND, **params_nvme}),
@@ -57,7 +63,13 @@ def swap_traffic(engine) -> dict:
     master = engine.optimizer.master
     if hasattr(master, "swap"):
         out["optimizer"] = master.swap.stats()
-    return {k: (v.bytes_swapped_in, v.bytes_swapped_out) for k, v in out.items()}
+    traffic = {k: (v.bytes_swapped_in, v.bytes_swapped_out) for k, v in out.items()}
+    if store is not None:
+        fetcher = engine.residency
+        shards = [(fetcher.coordinator.shard_tier(g.index).name, g.shard_numel) for g in fetcher.groups]
+        traffic["host elements"] = sum(n for t, n in shards if t == "HOST")
+        traffic["offloaded tiers"] = [t for t, _ in shards if t != "DEVICE"]
+    return traffic
 
 
 def run_variants(rank, world, path):
@@ -81,6 +93,12 @@ def test_states_on_nvme_match_single_process(world, tmp_path):
                 read, written = traffic["params"]
                 assert read > 0 and written > 0, label
                 assert rank_results[label]["gather_stats"].staged_bytes == 0, label
+                # As DeepSpeed: the first groups in host memory, up to max_in_cpu elements, then NVMe.
+                tiers = traffic["offloaded tiers"]
+                kept = tiers.index("NVME")
+                assert set(tiers[:kept]) <= {"HOST"} and set(tiers[kept:]) == {"NVME"}, label
+                assert traffic["host elements"] <= keys["offload_param"]["max_in_cpu"], label
+                assert (kept > 0) == (keys["offload_param"]["max_in_cpu"] > 0), label
             if optimizer == "nvme":
                 read, written = traffic["optimizer"]
                 assert read > 0 and written > read, label  # the first write, then one per step

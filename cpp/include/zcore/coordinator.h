@@ -167,6 +167,10 @@ struct CoordinatorConfig {
   // its queue past the parameters being all-gathered up to twice the
   // elements in flight, within its free swap-in buffers; 0: no fetch ahead.
   std::int64_t fetch_horizon_uses = 64;
+  // Elements of shards registered on tier NVMe that stay in host memory
+  // instead: the groups registered first, up to the first that would take
+  // the total past it (DeepSpeed's offload_param.max_in_cpu); 0: all on NVMe.
+  std::int64_t nvme_host_elements = 0;
 };
 
 // The first three keep their values: plans of device-only groups hold only them.
@@ -238,7 +242,8 @@ class ParamCoordinator {
   GroupId register_group(std::int64_t numel, std::int64_t element_size);
   // The same with the rank's shard of shard_numel elements (0 < shard_numel
   // <= numel; numel / world size for padded groups) on `tier`. Persistent
-  // groups keep their shard on the device whatever the tier asked. Throws
+  // groups keep their shard on the device whatever the tier asked; NVMe
+  // shards within nvme_host_elements stay in host memory. Throws
   // Error(kInvalidArgument) when an offloaded shard exceeds staging_bytes.
   GroupId register_group(std::int64_t numel, std::int64_t element_size,
                          std::int64_t shard_numel, ShardTier tier);
@@ -346,10 +351,14 @@ class ParamCoordinator {
   void emit_drop(GroupId group);
   void emit_store(GroupId group);
   void emit_shard_stored(GroupId group);
+  // The tier a new shard asked for `tier` gets (nvme_host_elements).
+  ShardTier tier_kept(ShardTier tier, std::int64_t shard_numel);
 
   const CoordinatorConfig config_;
   ParamGroupTable groups_;
   ShardTierTable shards_;  // one entry per group, beside groups_
+  std::int64_t nvme_kept_in_host_ = 0;  // elements of NVMe-tier shards kept in host memory
+  bool nvme_spilled_ = false;           // a shard went to NVMe: later ones follow
   std::vector<std::vector<GroupId>> modules_;
   PrefetchScheduler scheduler_;
   FetchScheduler fetcher_;
