@@ -5,13 +5,14 @@ run. Targets: zcore on NVMe at most 1.15x zcore in RAM, and at most 0.6x
 DeepSpeed on NVMe.
 
     .venv/bin/python bench/nvme_speed.py [--nvme-path build/bench-nvme-speed]
-        [--steps 6] [--warmup 2] [--repeats 2] [--systems ...]
+        [--micro-batch 4] [--precision fp32] [--steps 6] [--warmup 2]
+        [--repeats 2] [--systems ...]
 
 Every system trains the same GPT (zcore.demo.gpt: 12 layers, d_model 768,
-12 heads, vocab 8192, seq 256, LM head tied: 91.5M parameters) in fp32 with
-micro-batch 4 per rank, stage 3, the config's AdamW (lr 1e-4; zcore's
-fused CPU Adam, DeepSpeed's DeepSpeedCPUAdam where it offloads), each rank
-on one torch thread. Systems:
+12 heads, vocab 8192, seq 256, LM head tied: 91.5M parameters) in fp32 (or
+bf16) with micro-batch 4 (or another) per rank, stage 3, the config's
+AdamW (lr 1e-4; zcore's fused CPU Adam, DeepSpeed's DeepSpeedCPUAdam where
+it offloads), each rank on one torch thread. Systems:
 
 - zcore-ram: stage 3, nothing offloaded (the model is on the CPU device).
 - zcore-nvme, deepspeed-nvme: offload_param and offload_optimizer on
@@ -24,9 +25,11 @@ on one torch thread. Systems:
 
 Each run of a system is a fresh pair of processes; the rounds alternate
 the systems. A step ends when the slower rank ends it; the table gives the
-median over the timed steps of all rounds, the range, and each rank's peak
-RSS; for zcore, also the bytes each rank moved through its swap files per
-step. The targets compare zcore-nvme with zcore-ram and deepspeed-nvme.
+median over the timed steps of all rounds, the range, the part of it in
+engine.step(), and each rank's peak RSS; for zcore, also the bytes each
+rank moved through its swap files per step. A system that fails is shown
+with its error. The targets compare zcore-nvme with zcore-ram and
+deepspeed-nvme.
 """
 
 from __future__ import annotations
@@ -46,8 +49,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ["zcore-ram", "zcore-nvme", "deepspeed-nvme", "zcore-nvme-all", "deepspeed-nvme-all"]
-MICRO_BATCH = 4
 LAYERS, D_MODEL, HEADS = 12, 768, 12
+# What DeepSpeed 0.19.8 needs, beyond max_in_cpu 0, to keep every parameter
+# shard on NVMe, each found by running without it. bf16: in fp32 its
+# swapped-in shards come back in bf16 ("expected m1 and m2 to have the same
+# dtype"). Swap buffers for every shard (64 of 4M elements; the largest
+# shard, the embedding's, is 3.1M): its shards stay swapped in while
+# gathered, and the default 5 buffers run out ("Not enough buffers 0 for
+# swapping 1"). No prefetch: its NVMe read-ahead takes the tied embedding
+# twice from its trace ("param 132 already assigned swap buffer id 27").
+DEEPSPEED_ALL_PARAM = {"buffer_count": 64, "buffer_size": 4_000_000}
+DEEPSPEED_ALL_ZERO = {"stage3_prefetch_bucket_size": 0}
 
 
 def _free_port() -> int:
@@ -56,15 +68,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(system: str, nvme_dir: Path) -> dict:
+def _config(system: str, nvme_dir: Path, micro_batch: int, precision: str) -> dict:
     zero: dict = {"stage": 3}
     if "nvme" in system:
         nvme = {"device": "nvme", "nvme_path": str(nvme_dir)}
         zero["offload_param"] = {**nvme, **({"max_in_cpu": 0} if system.endswith("-all") else {})}
+        if system == "deepspeed-nvme-all":
+            zero["offload_param"].update(DEEPSPEED_ALL_PARAM)
+            zero.update(DEEPSPEED_ALL_ZERO)
         zero["offload_optimizer"] = nvme
     return {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": zero,
     }
@@ -77,7 +93,15 @@ def _swap_bytes(engine) -> int:
     return sum(s.bytes_swapped_in + s.bytes_swapped_out for s in stats if s is not None)
 
 
-def _rank_main(system, rank, world, port, steps, warmup, nvme_dir, out):
+def _rank_main(system, rank, world, port, args, nvme_dir, out):
+    try:
+        out.put(pickle.dumps((rank, _train(system, world, rank, port, args, nvme_dir))))
+    except Exception as exc:  # reported in the table; the other systems still run
+        out.put(pickle.dumps((rank, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})))
+        raise
+
+
+def _train(system, world, rank, port, args, nvme_dir) -> dict:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
@@ -88,7 +112,7 @@ def _rank_main(system, rank, world, port, steps, warmup, nvme_dir, out):
     cfg = GPTConfig(d_model=D_MODEL, n_layers=LAYERS, n_heads=HEADS)
     torch.manual_seed(0)
     model = GPT(cfg)
-    config = _config(system, nvme_dir)
+    config = _config(system, nvme_dir, args.micro_batch, args.precision)
     if system.startswith("zcore"):
         import zcore
 
@@ -98,40 +122,46 @@ def _rank_main(system, rank, world, port, steps, warmup, nvme_dir, out):
 
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     gen = torch.Generator().manual_seed(rank)
-    times, moved = [], []
-    for _ in range(warmup + steps):
-        tokens = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen)
-        counted = system.startswith("zcore-nvme")
+    times, step_times, moved = [], [], []
+    counted = system.startswith("zcore-nvme")
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=gen)
         before = _swap_bytes(engine) if counted else 0
         start = time.perf_counter()
         loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
         engine.backward(loss)
+        stepping = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times.append(end - start)
+        step_times.append(end - stepping)
         moved.append(_swap_bytes(engine) - before if counted else 0)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put(pickle.dumps((rank, times[warmup:], moved[warmup:], peak_mib, float(loss.detach()))))
     if system.startswith("zcore"):
         engine.destroy()
+    w = args.warmup
+    return {"times": times[w:], "step_times": step_times[w:], "moved": moved[w:], "loss": float(loss.detach()),
+            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_system(system: str, steps: int, warmup: int, nvme_root: Path) -> dict:
-    nvme_dir = nvme_root / system
+def run_system(system: str, args) -> dict:
+    nvme_dir = args.nvme_path / system
     shutil.rmtree(nvme_dir, ignore_errors=True)
     nvme_dir.mkdir(parents=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(system, r, 2, port, steps, warmup, nvme_dir, out)) for r in range(2)
+        ctx.Process(target=_rank_main, args=(system, r, 2, port, args, nvme_dir, out)) for r in range(2)
     ]
     for p in procs:
         p.start()
     results = {}
     try:
         for _ in procs:
-            rank, times, moved, peak, loss = pickle.loads(out.get(timeout=3600))
-            results[rank] = (times, moved, peak, loss)
+            rank, result = pickle.loads(out.get(timeout=3600))
+            if "error" in result:
+                return result
+            results[rank] = result
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -139,16 +169,19 @@ def run_system(system: str, steps: int, warmup: int, nvme_root: Path) -> dict:
                 p.kill()
         shutil.rmtree(nvme_dir, ignore_errors=True)
     return {
-        "step_s": [max(a, b) for a, b in zip(results[0][0], results[1][0])],
-        "moved": [statistics.median(results[r][1]) for r in (0, 1)],
-        "peak_rss_mib": [results[r][2] for r in (0, 1)],
-        "loss": results[0][3],
+        "step_s": [max(a, b) for a, b in zip(results[0]["times"], results[1]["times"])],
+        "in_step_s": [max(a, b) for a, b in zip(results[0]["step_times"], results[1]["step_times"])],
+        "moved": [statistics.median(results[r]["moved"]) for r in (0, 1)],
+        "peak_rss_mib": [results[r]["peak_mib"] for r in (0, 1)],
+        "loss": results[0]["loss"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", type=Path, default=ROOT / "build" / "bench-nvme-speed")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds over the systems")
@@ -156,26 +189,39 @@ def main() -> None:
     args = parser.parse_args()
 
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    failed: dict[str, str] = {}
     began = time.perf_counter()
     for round_ in range(args.repeats):
         for system in args.systems:
-            runs[system].append(run_system(system, args.steps, args.warmup, args.nvme_path))
-            r = runs[system][-1]
+            if system in failed:
+                continue
+            r = run_system(system, args)
+            if "error" in r:
+                failed[system] = r["error"]
+                print(f"  round {round_ + 1} {system}: {r['error']}", flush=True)
+                continue
+            runs[system].append(r)
             print(f"  round {round_ + 1} {system}: median {statistics.median(r['step_s']):.2f} s/step, "
                   f"loss {r['loss']:.4f} ({time.perf_counter() - began:.0f} s in)", flush=True)
 
+    runs = {s: rs for s, rs in runs.items() if rs}
     median = {s: statistics.median(t for r in rs for t in r["step_s"]) for s, rs in runs.items()}
-    print(f"\nGPT {LAYERS} layers, d_model {D_MODEL} (91.5M parameters), fp32, stage 3, 2 gloo ranks x 1 thread, "
-          f"micro-batch {MICRO_BATCH}; {args.steps} timed steps after {args.warmup} x {args.repeats} round(s)")
-    print("| system | step s (median) | range | vs zcore-ram | swap GB/step r0/r1 | peak RSS MiB r0/r1 | last loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\nGPT {LAYERS} layers, d_model {D_MODEL} (91.5M parameters), {args.precision}, stage 3, 2 gloo ranks "
+          f"x 1 thread, micro-batch {args.micro_batch}; {args.steps} timed steps after {args.warmup} x "
+          f"{args.repeats} round(s)")
+    print("| system | step s (median) | range | in engine.step() s | vs zcore-ram | swap GB/step r0/r1 "
+          "| peak RSS MiB r0/r1 | last loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for system, rs in runs.items():
         steps = [t for r in rs for t in r["step_s"]]
+        in_step = statistics.median(t for r in rs for t in r["in_step_s"])
         rel = f"{median[system] / median['zcore-ram']:.2f}x" if "zcore-ram" in median else "-"
         moved = "/".join(f"{statistics.median(r['moved'][i] for r in rs) / 1e9:.2f}" for i in (0, 1))
         rss = "/".join(f"{max(r['peak_rss_mib'][i] for r in rs):.0f}" for i in (0, 1))
-        print(f"| {system} | {median[system]:.2f} | {min(steps):.2f}-{max(steps):.2f} | {rel} | "
+        print(f"| {system} | {median[system]:.2f} | {min(steps):.2f}-{max(steps):.2f} | {in_step:.2f} | {rel} | "
               f"{moved if system.startswith('zcore-nvme') else '-'} | {rss} | {rs[-1]['loss']:.4f} |")
+    for system, error in failed.items():
+        print(f"| {system} | failed: {error} | | | | | | |")
     if {"zcore-ram", "zcore-nvme"} <= median.keys():
         ratio = median["zcore-nvme"] / median["zcore-ram"]
         print(f"zcore-nvme / zcore-ram = {ratio:.2f}x (target <= 1.15x: {'met' if ratio <= 1.15 else 'NOT met'})")
