@@ -138,10 +138,13 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_broken()
         try:
-            return self.residency.forward(self.module, args, kwargs)
+            out = self.residency.forward(self.module, args, kwargs)
         except DiskIOError as exc:
             self._broken = f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
             raise
+        if self.optimizer is not None and self.optimizer.step_failed:
+            self._finish_step()  # raises the failure of the step behind this forward
+        return out
 
     forward = __call__
 
@@ -166,6 +169,7 @@ class Engine:
             )
         self._refuse_if_broken()
         optimizer = self._trainer("backward")
+        self._finish_step()
         reducer = optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
         factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
@@ -192,6 +196,7 @@ class Engine:
                 "(every micro-batch: forward, backward, step)"
             )
         if self.is_gradient_accumulation_boundary():
+            self._finish_step()
             try:
                 result = optimizer.step()
             except BaseException as exc:
@@ -228,6 +233,21 @@ class Engine:
                 "zcore.initialize an optimizer to train"
             )
         return self.optimizer
+
+    def _finish_step(self) -> None:
+        """An optimizer step going on behind the forward (zcore.background_step)
+        completes first; its failure breaks the engine."""
+        if self.optimizer is None:
+            return
+        try:
+            self.optimizer.finish_step()
+        except BaseException as exc:
+            if self._broken is None:
+                self._broken = (
+                    f"the optimizer step after step {self.global_steps - 1} failed while the next forward "
+                    f"ran ({type(exc).__name__}: {exc})"
+                )
+            raise
 
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
@@ -274,10 +294,14 @@ class Engine:
         (parameters and optimizer states on NVMe are then gone); the engine
         cannot train after it. Also done when the process exits."""
         try:
-            self.residency.close()
+            if self._broken is None:  # else its failure was raised already
+                self._finish_step()
         finally:
-            if self.optimizer is not None:
-                self.optimizer.close()
+            try:
+                self.residency.close()
+            finally:
+                if self.optimizer is not None:
+                    self.optimizer.close()
 
     # Checkpoints (zcore.checkpoint).
     def save_checkpoint(
@@ -289,6 +313,7 @@ class Engine:
         every rank, at an accumulation boundary. Returns the tag directory."""
         self._refuse_if_broken()
         self._trainer("save_checkpoint")
+        self._finish_step()
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(
@@ -302,11 +327,17 @@ class Engine:
         """Loads a checkpoint saved at any world size, stage or offload
         setting (the tag in ``load_dir/latest`` by default). Returns (tag
         directory, client_state), or (None, None) when there is no latest."""
+        try:
+            self._finish_step()
+        except Exception:  # noqa: BLE001 - the engine is broken (self._broken) until a full load below
+            pass
         loaded = checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self._broken = None  # every state was replaced
+            if self.optimizer is not None:
+                self.optimizer.forget_failed_step()
         return loaded
 
     def restore_counters(self, counters: checkpoint.schema.Counters) -> None:
@@ -321,10 +352,12 @@ class Engine:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an
         empty dict on the other ranks. Call it on every rank."""
+        self._finish_step()
         return checkpoint.full_state_dict(self, dtype)
 
     def memory_report(self) -> MemoryReport:
         """Bytes per rank held for parameters, gradients, optimizer states and
         buffers on each tier (device, host, NVMe): measured, beside what the
         stage's layout and the offload policy predict."""
+        self._finish_step()
         return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from zcore import comm, gathered_parameters, hooks
+from zcore.background_step import BackgroundStep
 from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
 from zcore.errors import ConfigError, InvalidArgumentError, InvalidStateError
@@ -380,11 +381,24 @@ def _update(
                 f"they need {needed} buffers; set buffer_count to {needed} or turn a pipeline off"
             )
         return SwappedAdamUpdate(
-            inner, master, reducer, shards, read_ahead=offload.read_ahead, write_behind=offload.write_behind
+            inner, master, reducer, shards, read_ahead=offload.read_ahead, write_behind=offload.write_behind,
+            background=BackgroundStep() if _updates_in_host_memory(master.units, shards) else None,
         )
     if isinstance(inner, CPUAdam):
         return FusedCpuUpdate(inner, master, reducer, shards)
     return TorchUpdate(inner, master, reducer, shards)
+
+
+def _updates_in_host_memory(units: list[Unit], shards: UnitShards) -> bool:
+    """Stage 3, every unit's shard updated in place in host memory: the
+    optimizer step may go on behind the next forward (zcore.background_step)."""
+    if not isinstance(shards, StoredShards) or not units:
+        return False
+    for unit in units:
+        resident = shards.resident(unit)
+        if resident is None or resident.device.type != "cpu":
+            return False
+    return True
 
 
 def _write_master(

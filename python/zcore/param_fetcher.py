@@ -117,6 +117,7 @@ class ParamFetcher:
                 swap, swap_capacity(on_nvme), nvme_host_bytes(on_nvme, config.staging_bytes)
             )
         self._store = ShardStore(groups, tiers, offload.pin_parameters, open_swap)
+        self._finish_update: Optional[Callable[[], None]] = None  # publish_behind
         # Updated NVMe shards held for writing, at most this many bytes at once.
         self._pending_limit = config.staging_bytes
         self.group_of_param = {id(p): g.index for g in groups for p in g.params}
@@ -208,7 +209,20 @@ class ParamFetcher:
         gathered (persistent ones) get the new values in place, in one
         all-gather."""
         self.finish_writes()
-        self._plans.refresh([g for g in self.groups if g.trainable])
+        self._plans.refresh_all([g for g in self.groups if g.trainable])
+
+    def publish_behind(self, wait_update: Callable[[int], None], finish_update: Callable[[], None]) -> None:
+        """After an optimizer step that goes on behind the forward
+        (zcore.background_step): each group's shard is read once
+        ``wait_update(group)`` returns, the persistent groups take their new
+        values at their next use, and what needs every shard calls
+        ``finish_update()`` first, which ends with ``update_complete()``."""
+        self._plans.defer_refresh(wait_update, [g for g in self.groups if g.trainable])
+        self._finish_update = finish_update
+
+    def update_complete(self) -> None:
+        self._plans.end_wait()
+        self._finish_update = None
 
     def place_shard(self, group: ShardedGroup, values: torch.Tensor) -> None:
         """At start-up: ``values`` become the group's shard, on its tier."""
@@ -216,7 +230,13 @@ class ParamFetcher:
 
     def read_shard(self, group: int) -> torch.Tensor:
         """``group``'s shard values (zcore.shard_store.ShardStore.read)."""
+        self.finish_update()
         return self._store.read(group)
+
+    def finish_update(self) -> None:
+        """Waits for an optimizer step going on behind the forward, if any."""
+        if self._finish_update is not None:
+            self._finish_update()
 
     def write_shard(self, group: int, values: torch.Tensor) -> None:
         """Between steps: ``values`` become ``group``'s shard. An NVMe shard
@@ -268,7 +288,7 @@ class ParamFetcher:
     def reload(self) -> None:
         """After a checkpoint load replaced the shards: every group that
         stays gathered, trained or frozen, gets the new values."""
-        self._plans.refresh(self.groups)
+        self._plans.refresh_all(self.groups)
 
     # The hooks' side: module calls.
     def enter_forward(self, k: int) -> ModuleCall:
@@ -331,6 +351,7 @@ class ParamFetcher:
     def write_back(self, group: int, source_rank: int) -> None:
         """Every rank takes ``source_rank``'s full values of a gathered group
         into its shard (and master); the gathered buffer gets them too."""
+        self.finish_update()  # the master is written below
         g = self.groups[group]
         full = self.buffers.current(group)
         if self.world_size > 1:

@@ -32,6 +32,11 @@ from zcore.sharded_group import ShardedGroup
 from zcore.use_sites import UseSites
 
 
+# The actions that read a group's shard: after an optimizer step running
+# behind the forward, they wait for the group's update.
+_READS_SHARD = (_C.Action.GATHER, _C.Action.FETCH_SHARD)
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """An all-gather into a group's buffer, issued and not yet waited for."""
@@ -69,6 +74,11 @@ class PlanExecutor:
         self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
         self._check_every_module = check_every_module
         self._entering: list[int] = []  # groups of the site being entered
+        # While an optimizer step runs behind the forward (publish_behind):
+        # waits until a group's update is complete; the trained persistent
+        # groups whose gathered values predate it.
+        self._wait_update: Optional[Callable[[int], None]] = None
+        self._stale: set[int] = set()
         self._actions: dict[Any, Callable[[int], None]] = {
             _C.Action.GATHER: self._start_gather,
             _C.Action.WAIT: self._finish_gather,
@@ -88,6 +98,8 @@ class PlanExecutor:
             self._agreement.check(signature(groups), lambda: f"{self._sites.name(site)} (groups {list(groups)})")
         self._entering = self.coordinator.module_groups(site)
         try:
+            if self._stale:
+                self._refresh_stale([g for g in self._entering if g in self._stale])
             self.execute(self.coordinator.before_module(site))
         finally:
             self._entering = []
@@ -110,7 +122,33 @@ class PlanExecutor:
                     "reinstall zcore",
                     group=group,
                 )
+            if self._wait_update is not None and action in _READS_SHARD:
+                self._wait_update(group)
             run(group)
+
+    def defer_refresh(self, wait_update: Callable[[int], None], trained: list[ShardedGroup]) -> None:
+        """An optimizer step goes on behind the forward: shards are read
+        once ``wait_update(group)`` returns, and the trained persistent
+        groups take their new values at their next use."""
+        self._wait_update = wait_update
+        self._stale |= {g.index for g in trained if self.buffers.persistent[g.index] and self.buffers.holds(g.index)}
+
+    def end_wait(self) -> None:
+        """The step is complete: nothing more to wait for (the stale groups
+        are still refreshed at their next use)."""
+        self._wait_update = None
+
+    def refresh_all(self, groups: list[ShardedGroup]) -> None:
+        """``refresh``, after which no group is stale."""
+        self.refresh(groups)
+        self._stale = set()
+
+    def _refresh_stale(self, groups: list[int]) -> None:
+        if self._wait_update is not None:
+            for g in groups:
+                self._wait_update(g)
+        self.refresh([self._slots[g].group for g in groups])
+        self._stale.difference_update(groups)
 
     def gathered(self, group: int) -> bool:
         """Whether ``group``'s buffer holds its full parameters now."""

@@ -19,6 +19,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from zcore import comm
+from zcore.background_step import StepState
 from zcore.grad_reduction import GradientReducer
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
@@ -288,9 +289,43 @@ class ShardedOptimizer:
                 coefficient *= clip
         self.update.apply(coefficient)
         scaler.update(overflow=False)
+        background = getattr(self.update, "background", None)
+        if background is not None and background.state is StepState.RUNNING:
+            # The update goes on behind the next forward (zcore.background_step);
+            # finish_step() ends it.
+            self.publisher.publish_behind(self.update.wait_group, self.finish_step)
+            return StepResult(skipped=False, grad_norm=norm)
         self.publisher.publish()
         self._end_step()
         return StepResult(skipped=False, grad_norm=norm)
+
+    @property
+    def step_failed(self) -> bool:
+        """A step going on behind the forward failed part-way."""
+        background = getattr(self.update, "background", None)
+        return background is not None and background.failed
+
+    def forget_failed_step(self) -> None:
+        """A checkpoint load replaced every state a failed step left."""
+        background = getattr(self.update, "background", None)
+        if background is not None:
+            background.reset()
+            self.publisher.update_complete()
+            self._end_step()
+
+    def finish_step(self) -> None:
+        """Waits for a step running behind the forward and completes it (a
+        no-op otherwise); raises what failed in it. Before anything that
+        needs the whole update: backward, the next step, checkpoints. No
+        collective: any rank may call it alone."""
+        background = getattr(self.update, "background", None)
+        if background is None or background.state is StepState.IDLE:
+            return
+        running = background.state is StepState.RUNNING
+        background.finish()
+        if running:
+            self.publisher.update_complete()
+            self._end_step()
 
     def _global_norm(self, inv_scale: float) -> float:
         squares = self.reducer.squared_norm()

@@ -19,6 +19,7 @@ the values they stand for are on disk.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from zcore.background_step import BackgroundStep
 from zcore.errors import ConfigError, InvalidStateError
 from zcore.grad_reduction import GradientReducer
 from zcore.host_memory import PAGE_ALIGNMENT
@@ -249,13 +251,19 @@ class SwappedAdamUpdate(TorchUpdate):
 
     def __init__(
         self, inner: CPUAdam, master: SwappedMaster, reducer: GradientReducer, shards: UnitShards,
-        read_ahead: bool = True, write_behind: bool = True,
+        read_ahead: bool = True, write_behind: bool = True, background: Optional[BackgroundStep] = None,
     ) -> None:
+        """``background``: stream the sub-groups behind the next forward
+        (zcore.background_step); only where every unit's shard is updated
+        in place in host memory."""
         self.inner = inner
         self.master = master
         self.reducer = reducer
         self.shards = shards
         self.host_grads = None
+        self.background = background
+        # Stage 3 units are parameter groups: the fetcher waits by group.
+        self._unit_of_group = {getattr(unit, "index", u): u for u, unit in enumerate(master.units)}
         self._read_ahead = read_ahead
         self._write_behind = write_behind
         self._used: list[list[bool]] = [[] for _ in master.units]
@@ -275,12 +283,16 @@ class SwappedAdamUpdate(TorchUpdate):
         return 0  # on NVMe; sub-groups pass through host memory during the step only
 
     def close(self) -> None:
+        if self.background is not None:
+            self.background.finish_quietly()  # its files are about to go
         try:
             self.master.swap.close()
         finally:
             self.reducer.close()
 
     def apply(self, coefficient: float) -> None:
+        """Steps every sub-group; with ``background``, on a worker thread
+        that is still running when this returns."""
         units, pieces = self.master.units, self.master.pieces
         steps = {}  # (unit, piece) -> the step this update takes, for pieces with a gradient
         for u, unit in enumerate(units):
@@ -288,6 +300,25 @@ class SwappedAdamUpdate(TorchUpdate):
                 if self._used[u][meta.param_index]:
                     state = self._state(pieces[u][k])
                     steps[(u, k)] = int(state["step"].item()) + 1
+        # Taken now: a scheduler changes the learning rate once this returns.
+        configs = [group_config(g) for g in self.inner.param_groups]
+        if self.background is None:
+            self._stream(steps, configs, coefficient, lambda u: None)
+        else:
+            self.background.start(functools.partial(self._stream, steps, configs, coefficient))
+
+    def wait_group(self, group: int) -> None:
+        """Stage 3, with ``background``: until the update of the unit that
+        is parameter group ``group`` is complete (frozen groups: at once)."""
+        u = self._unit_of_group.get(group)
+        if u is not None and self.background is not None:
+            self.background.wait_unit(u)
+
+    def _stream(self, steps: dict, configs: list, coefficient: float, report: Callable[[int], None]) -> None:
+        units, pieces = self.master.units, self.master.pieces
+        for u, unit in enumerate(units):
+            if not unit.pieces:
+                report(u)
         outs: dict[int, torch.Tensor] = {}
         self._grads.clear()
         subs = {s.key: s for s in self.master.sub_groups if s.numel > 0}
@@ -295,17 +326,18 @@ class SwappedAdamUpdate(TorchUpdate):
         # Driven to its end (never zip()ped), so that the last sub-group is written back.
         for key, states in stream:
             sub = subs[key]
-            self._step_sub_group(sub, states.view(STATES, sub.numel), steps, coefficient, outs)
+            self._step_sub_group(sub, states.view(STATES, sub.numel), steps, configs, coefficient, outs)
             for u in sub.finishes:
                 self._grads.pop(u, None)
                 out = outs.pop(u)
                 if out is not self.shards.resident(units[u]):
                     self.shards.write(units[u], out)
+                report(u)
         for (u, k) in steps:
             self.inner.state[pieces[u][k]]["step"] += 1
 
     def _step_sub_group(
-        self, sub: SubGroup, states: torch.Tensor, steps: dict, coefficient: float, outs: dict
+        self, sub: SubGroup, states: torch.Tensor, steps: dict, configs: list, coefficient: float, outs: dict
     ) -> None:
         master, exp_avg, exp_avg_sq = states[0], states[1], states[2]
         batches: dict[tuple[int, int], list[Run]] = defaultdict(list)
@@ -322,7 +354,7 @@ class SwappedAdamUpdate(TorchUpdate):
             unit_dtype = self.master.units[runs[0].unit].dtype
             fused_out = unit_dtype in (torch.bfloat16, torch.float16)
             adam_step(
-                group_config(self.inner.param_groups[group]), step,
+                configs[group], step,
                 [master[v] for v in views], grads, [exp_avg[v] for v in views], [exp_avg_sq[v] for v in views],
                 params_out=[self._out_view(outs, r) for r in runs] if fused_out else None,
                 grad_scale=coefficient,
