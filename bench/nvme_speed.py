@@ -26,7 +26,9 @@ it offloads), each rank on one torch thread. Systems:
 Each run of a system is a fresh pair of processes; the rounds alternate
 the systems. A step ends when the slower rank ends it; the table gives the
 median over the timed steps of all rounds, the range, the part of it in
-engine.step(), and each rank's peak RSS; for zcore, also the bytes each
+engine.step() (zcore's step with host-resident parameters returns at once
+and streams the optimizer states behind the next forward), and each rank's
+peak RSS; for zcore, also the bytes each
 rank moved through its swap files per step. A system that fails is shown
 with its error. The targets compare zcore-nvme with zcore-ram and
 deepspeed-nvme.
