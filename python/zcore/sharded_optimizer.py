@@ -308,7 +308,7 @@ class ShardedOptimizer:
     def forget_failed_step(self) -> None:
         """A checkpoint load replaced every state a failed step left."""
         background = getattr(self.update, "background", None)
-        if background is not None:
+        if background is not None and background.state is StepState.FAILED:
             background.reset()
             self.publisher.update_complete()
             self._end_step()

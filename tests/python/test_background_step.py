@@ -11,9 +11,11 @@ the next forward waits for each unit's update before gathering it.
   losses and final parameters still match single-process torch AdamW at
   worlds 1 and 2 (a gather that read a shard before its update would not).
 - A step that fails behind the forward: the forward raises the failure
-  once its plan is done, and the engine then refuses to go on and to save.
+  once its plan is done, and the engine then refuses to go on and to save
+  until a checkpoint load replaces every state.
 """
 
+import math
 import threading
 import time
 
@@ -157,6 +159,8 @@ def fail_behind(rank, world, path):
         except Exception as exc:  # noqa: BLE001 - what the test checks
             outcome["failed at"] = (step, type(exc).__name__, str(exc))
             break
+        if step == 0:
+            engine.save_checkpoint(path + "/before")
     for name, call in (
         ("forward", lambda: engine(x)),
         ("save", lambda: engine.save_checkpoint(path + "/ckpt")),
@@ -166,13 +170,20 @@ def fail_behind(rank, world, path):
             outcome[name] = "ran"
         except InvalidStateError as exc:
             outcome[name] = str(exc)
-    engine.destroy()  # removes the swap files of a broken engine too
+    SwappedAdamUpdate._step_sub_group = original
+    engine.load_checkpoint(path + "/before")  # every state replaced: the engine goes on
+    loss = engine(x).float().mean()
+    engine.backward(loss)
+    engine.step()
+    outcome["after load"] = float(loss)
+    engine.destroy()
     return outcome
 
 
-def test_a_step_that_fails_behind_the_forward_breaks_the_engine(tmp_path):
+def test_a_step_that_fails_behind_the_forward_breaks_the_engine_until_a_load(tmp_path):
     (outcome,) = run_ranks(fail_behind, 1, str(tmp_path), launcher=False, timeout=300)
     step, kind, message = outcome["failed at"]
     assert step == 2 and kind == "OSError" and "injected" in message, outcome
     for name in ("forward", "save"):
         assert "cannot continue" in outcome[name] and "injected" in outcome[name], (name, outcome)
+    assert math.isfinite(outcome["after load"]), outcome
