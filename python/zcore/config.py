@@ -276,6 +276,22 @@ class AioConfig(_Section):
         return v
 
 
+class CheckpointConfig(_Section):
+    """DeepSpeed's "checkpoint" section. zcore always checks that every rank
+    saves or loads the same tag (they write one directory together, so
+    differing tags cannot work): "Warn" and "Ignore" are accepted for
+    DeepSpeed configs and checked as "Fail" is."""
+
+    tag_validation: str = "Warn"
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v.upper() not in ("WARN", "IGNORE", "FAIL"):
+            raise ValueError(f"must be 'Warn', 'Ignore' or 'Fail' (any case), got {show_value(v)}")
+        return v
+
+
 class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
@@ -325,6 +341,7 @@ class Config(_Section):
     fp16: FP16Config = FP16Config()
     zero_optimization: ZeroConfig = ZeroConfig()
     aio: AioConfig = AioConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
     steps_per_print: int = Field(10, gt=0)
     zero_allow_untested_optimizer: bool = False

@@ -14,8 +14,12 @@ _ANY = object()
 
 UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
-        _ANY,
-        "saving comes with zcore's sharded checkpoints",
+        False,
+        "saving comes with zcore's sharded checkpoints (zcore consolidate for one file)",
+    ),
+    "zero_optimization.ignore_unused_parameters": (
+        True,
+        "zcore always trains with parameters that get no gradient (their shards keep their values)",
     ),
     "zero_optimization.overlap_comm": (
         True,
@@ -62,7 +66,9 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "data_efficiency": (_ANY, "not supported"),
     "curriculum_learning": (_ANY, "not supported"),
     "sparse_attention": (_ANY, "not supported"),
-    "checkpoint": (_ANY, "checkpoint options come with zcore's sharded checkpoints"),
+    "checkpoint.load_universal": (False, "zcore checkpoints reload at any world size as they are"),
+    "checkpoint.use_node_local_storage": (False, "every rank writes to the one checkpoint directory"),
+    "checkpoint.parallel_write": ({"pipeline_stage": False}, "pipeline parallelism is out of zcore's scope"),
 }
 
 
@@ -102,6 +108,9 @@ def _copied_section(config: dict, parents: list[str]) -> Optional[dict]:
 
 
 def _is_default(value: Any, default: Any) -> bool:
+    # A section: each key it gives carries its default.
+    if isinstance(default, dict):
+        return isinstance(value, dict) and all(k in default and _is_default(v, default[k]) for k, v in value.items())
     # Python has 1 == True and 0.0 == False: a number is not a boolean's
     # default, nor a boolean a number's.
     if isinstance(value, bool) or isinstance(default, bool):

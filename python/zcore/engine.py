@@ -134,6 +134,21 @@ class Engine:
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
 
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names the engine lacks: as DeepSpeed's engine does,
+        # they are the wrapped module's (engine.config of a Hugging Face
+        # model is zcore's config, though: the engine's own names come first).
+        module = self.__dict__.get("module")
+        if module is not None and name != "module":
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute {name!r}, and neither has the module it "
+            f"wraps ({type(module).__name__})"
+        )
+
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_broken()

@@ -68,8 +68,10 @@ class DynamicLossScaler:
     """DeepSpeed's dynamic loss scaling.
 
     On overflow the step is skipped and, once ``hysteresis`` overflows have
-    been absorbed, the scale halves (not below ``min_scale``). After
-    ``window`` steps without overflow the scale doubles.
+    been absorbed, the scale halves (not below ``min_scale``). The scale
+    doubles at each ``window``-th step after the first step without
+    overflow, as DeepSpeed 0.19.8 does (its 2025 rule; before, the first
+    step counted too, so the scale doubled one step earlier).
     """
 
     scale: float
@@ -95,7 +97,8 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            stable = self.iteration - self.last_overflow_iteration - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= 2.0

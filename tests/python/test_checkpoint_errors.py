@@ -287,3 +287,26 @@ def test_when_one_rank_cannot_load_every_rank_fails_at_once(ckpt: Path, tmp_path
         assert reason in message and elapsed < 30
     if case != "empty directory":
         assert "failed on rank 1" in messages[0][0]
+
+
+def tags_differ(rank: int, world: int, root: str) -> list[str]:
+    engine = trained_engine(steps=1)
+    messages = []
+    engine.save_checkpoint(root, tag="shared")
+    for call in (
+        lambda: engine.save_checkpoint(root, tag=f"rank{rank}"),
+        lambda: engine.load_checkpoint(root, tag="shared" if rank == 0 else None),
+    ):
+        with pytest.raises(zcore.CheckpointError) as raised:
+            call()
+        messages.append(str(raised.value))
+    engine.load_checkpoint(root, tag="shared")  # the same tag everywhere still works
+    return messages
+
+
+def test_different_tags_on_different_ranks_are_named_on_every_rank(tmp_path: Path) -> None:
+    for messages in run_ranks(tags_differ, 2, str(tmp_path)):
+        save, load = messages
+        assert "tags differ across ranks (rank 0: 'rank0', rank 1: 'rank1')" in save, save
+        assert "tags differ across ranks (rank 0: 'shared', rank 1: none (latest))" in load, load
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "shared"]  # nothing half-written

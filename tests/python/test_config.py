@@ -107,6 +107,36 @@ def test_unsupported_keys_at_deepspeed_defaults_are_accepted():
     assert cfg.train_batch_size == 8
 
 
+def test_deepspeed_zero3_keys_at_their_defaults_are_accepted():
+    """As a DeepSpeed ZeRO-3 config (Hugging Face's examples) writes them."""
+    cfg = load_config({
+        "train_batch_size": 8,
+        "zero_optimization": {
+            "stage": 3, "ignore_unused_parameters": True, "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "checkpoint": {
+            "tag_validation": "warn", "load_universal": False, "use_node_local_storage": False,
+            "parallel_write": {"pipeline_stage": False},
+        },
+    })
+    assert cfg.checkpoint.tag_validation == "warn"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ("zero_optimization.ignore_unused_parameters", False, "always trains with parameters that get no gradient"),
+        ("zero_optimization.stage3_gather_16bit_weights_on_model_save", True, "zcore consolidate"),
+        ("checkpoint.tag_validation", "Strict", "'Warn', 'Ignore' or 'Fail'"),
+        ("checkpoint.load_universal", True, "reload at any world size"),
+        ("checkpoint.parallel_write", {"pipeline_stage": True}, "pipeline parallelism"),
+    ],
+)
+def test_deepspeed_keys_off_their_defaults_are_refused_with_the_reason(path, value, match):
+    with pytest.raises(zcore.ConfigError, match=match):
+        load_config(with_key(path, value))
+
+
 def test_file_errors_name_the_path(tmp_path):
     with pytest.raises(zcore.ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.json")

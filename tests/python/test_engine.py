@@ -192,3 +192,31 @@ def test_a_dead_rank_fails_the_run_instead_of_hanging():
     with pytest.raises(RuntimeError, match=r"rank 1 died with exit code 3|rank 0 failed"):
         run_ranks(die_after_first_step, 2, timeout=120)
     assert time.monotonic() - start < 60
+
+
+class Named(nn.Sequential):
+    """A model with attributes of its own, as a Hugging Face model has."""
+
+    vocab = 8
+
+    def describe(self) -> str:
+        return f"{len(self)} layers"
+
+
+def check_attributes_fall_through(rank, world):
+    model = Named(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    engine, *_ = zcore.initialize(model=model, config={"train_batch_size": 2, "optimizer": {"type": "AdamW"}})
+    assert engine.vocab == 8 and engine.describe() == "3 layers"
+    assert engine.train_batch_size() == 2  # the engine's own names come first
+    try:
+        engine.nothing_here
+    except AttributeError as exc:
+        assert "'Engine' object has no attribute 'nothing_here'" in str(exc) and "Named" in str(exc)
+    else:
+        raise AssertionError("a name neither has must be an AttributeError")
+    assert not hasattr(engine, "nothing_here")
+    return True
+
+
+def test_the_wrapped_modules_attributes_are_the_engines_as_in_deepspeed():
+    assert run_ranks(check_attributes_fall_through, 1, launcher=False, timeout=120) == [True]

@@ -22,6 +22,7 @@ import zcore
 from distributed import run_ranks
 from models import global_batch, loss_of, make_model
 from training import assert_matches, train_reference, train_zcore, zcore_config
+from zcore.precision import DynamicLossScaler
 
 STEPS = 20
 LOSS_TOLERANCE = {"bf16": 2e-4, "fp16": 2e-5}
@@ -98,3 +99,22 @@ def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage):
             else:
                 assert r["changed"], f"rank {rank} skipped step {step}"
                 assert r["scale_after"] == r["scale_before"]
+
+
+def scales(window: int, hysteresis: int, overflows: list[bool]) -> list[float]:
+    scaler = DynamicLossScaler(scale=1024.0, window=window, hysteresis=hysteresis, min_scale=1.0)
+    out = []
+    for overflow in overflows:
+        scaler.update(overflow)
+        out.append(scaler.scale)
+    return out
+
+
+def test_the_dynamic_loss_scale_follows_deepspeeds_schedule():
+    """DeepSpeed 0.19.8 (runtime/fp16/loss_scaler.py): the scale doubles when
+    the steps since the last overflow, less one, are a positive multiple of
+    the window; written out here for window 2."""
+    assert scales(2, 1, [False] * 6) == [1024, 1024, 2048, 2048, 4096, 4096]
+    assert scales(2, 1, [False, False, True, False, False, False]) == [1024, 1024, 512, 512, 512, 1024]
+    # Hysteresis 2: the first overflow is absorbed, the second halves.
+    assert scales(3, 2, [True, True, False, False, False, False]) == [1024, 512, 512, 512, 512, 1024]

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from zcore import comm
 from zcore.checkpoint.files import JSON_BYTES, LATEST_BYTES, read_small, shown
 from zcore.errors import CheckpointError
 
@@ -61,6 +62,18 @@ def check_tag(tag: str, what: str = "tag") -> str:
             f"{what} {shown(tag)} is not a plain file name; allowed tags: {TAG_RULE} (checkpoint names "
             "never leave their directory)"
         ) from None
+
+
+def check_same_tag(tag: Optional[str], doing: str) -> None:
+    """A collective: every rank names the same tag (all one directory), or
+    every rank raises an error listing each rank's tag."""
+    tags = comm.all_gather_strings(tag)
+    if len(set(tags)) > 1:
+        listed = ", ".join(f"rank {r}: {shown(t) if t is not None else 'none (latest)'}" for r, t in enumerate(tags))
+        raise CheckpointError(
+            f"{doing}: the checkpoint tags differ across ranks ({listed}); every rank writes and reads "
+            "one tag directory together, so pass the same tag on every rank"
+        )
 
 
 def check_tag_free(root: Path, tag: str) -> None:

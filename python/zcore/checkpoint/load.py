@@ -125,6 +125,7 @@ def load_checkpoint(
         scheduler=load_lr_scheduler_states and not load_module_only,
         training=not load_module_only,
     )
+    directory.check_same_tag(tag, f"loading a checkpoint from {load_dir}")
     tag_dir, staged, failure = None, None, None
     try:
         tag_dir = resolve(load_dir, tag)

@@ -39,7 +39,9 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
             f"accumulation window of {engine.gradient_accumulation_steps()}: the partial gradients "
             "would be lost; save right after the engine.step() that ends the window"
         )
-    tag = directory.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    directory.check_same_tag(tag, f"saving a checkpoint in {save_dir}")
+    tag = directory.check_tag(tag)
     client = training_state.encode_client_state(client_state)
     root = Path(save_dir)
     rank = engine.context.rank
