@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from zcore import comm
-from zcore.background_step import StepState
+from zcore.background_step import BackgroundStep, StepState
 from zcore.grad_reduction import GradientReducer
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
@@ -289,7 +289,7 @@ class ShardedOptimizer:
                 coefficient *= clip
         self.update.apply(coefficient)
         scaler.update(overflow=False)
-        background = getattr(self.update, "background", None)
+        background = self._background()
         if background is not None and background.state is StepState.RUNNING:
             # The update goes on behind the next forward (zcore.background_step);
             # finish_step() ends it.
@@ -299,15 +299,20 @@ class ShardedOptimizer:
         self._end_step()
         return StepResult(skipped=False, grad_norm=norm)
 
+    def _background(self) -> Optional[BackgroundStep]:
+        """The worker of a step that may run behind the forward (only an
+        NVMe optimizer at stage 3 has one)."""
+        return getattr(self.update, "background", None)
+
     @property
     def step_failed(self) -> bool:
         """A step going on behind the forward failed part-way."""
-        background = getattr(self.update, "background", None)
+        background = self._background()
         return background is not None and background.failed
 
     def forget_failed_step(self) -> None:
         """A checkpoint load replaced every state a failed step left."""
-        background = getattr(self.update, "background", None)
+        background = self._background()
         if background is not None and background.state is StepState.FAILED:
             background.reset()
             self.publisher.update_complete()
@@ -318,7 +323,7 @@ class ShardedOptimizer:
         no-op otherwise); raises what failed in it. Before anything that
         needs the whole update: backward, the next step, checkpoints. No
         collective: any rank may call it alone."""
-        background = getattr(self.update, "background", None)
+        background = self._background()
         if background is None or background.state is StepState.IDLE:
             return
         running = background.state is StepState.RUNNING
