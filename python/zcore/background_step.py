@@ -7,9 +7,10 @@ of a unit's parameters depends on its update, so the step streams the
 sub-groups on a worker thread and returns; the next forward waits for each
 unit just before gathering it (``wait_unit``) and raises the worker's
 failure once done, and anything that needs the whole step (backward, the
-next step, checkpoints) waits for all of it (``finish``). The worker only reads and writes the optimizer's own swap
-files and host memory that nothing else touches until then; collectives
-and the parameter coordinator stay on the caller's thread.
+next step, checkpoints) waits for all of it (``finish``). The worker only
+reads and writes the optimizer's own swap files and host memory that
+nothing else touches until then; collectives and the parameter
+coordinator stay on the caller's thread.
 """
 
 from __future__ import annotations

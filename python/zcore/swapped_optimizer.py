@@ -403,7 +403,8 @@ def swap_capacity(sub_groups: list[SubGroup]) -> int:
 DEFAULT_HOST_BYTES = 4 << 30
 # By default a rank's states are cut into at least this many sub-groups, so
 # that a step reads, updates and writes them at once instead of in turn
-# (one sub-group of a 92M-parameter GPT's states made its step 2x longer);
+# (one sub-group of a 92M-parameter GPT's states: 8.63 s per training step
+# on 2 ranks, against 7.91 s with eight);
 # but none under MIN_SUB_GROUP elements (12 MiB of states), to keep the
 # reads and writes large.
 MIN_SUB_GROUPS = 8
