@@ -7,6 +7,7 @@ package wires it into PyTorch.
 from zcore import _C
 from zcore.aio import AioEngine, IoHandle
 from zcore.arena import Arena, Block
+from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
 from zcore.config import Config
 from zcore.engine import Engine
 from zcore.errors import (
@@ -73,5 +74,7 @@ __all__ = [
     "cuda_available",
     "cuda_unavailable_reason",
     "initialize",
+    "load_pretrained",
     "register_external_parameter",
+    "save_pretrained",
 ]

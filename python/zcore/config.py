@@ -191,10 +191,15 @@ SchedulerConfig = Annotated[
 
 class BF16Config(_Section):
     enabled: bool = False
+    # zcore's own key: floating-point buffers keep their dtype (a rotary
+    # embedding's inv_freq in bf16 is off by radians at long positions)
+    # unless this casts them to the compute dtype, as DeepSpeed does.
+    cast_buffers: bool = False
 
 
 class FP16Config(_Section):
     enabled: bool = False
+    cast_buffers: bool = False  # as in bf16
     # 0 selects dynamic loss scaling; a positive value is a static scale.
     loss_scale: float = Field(0.0, ge=0)
     initial_scale_power: int = Field(16, ge=0, le=64)

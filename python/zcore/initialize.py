@@ -35,6 +35,8 @@ from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.optim import CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
+from zcore.sharded_parameter import mark_sharded, refuse_empty_state_dicts
+from zcore.synced_generation import sync_generation
 from zcore.sharded_optimizer import (
     FusedCpuUpdate,
     GatherUnits,
@@ -120,6 +122,7 @@ def initialize(
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, context, policies)
         master = _master(units, offload, context)
         _fill(plan, sharded_groups, context, meta, fetcher, master, units)
+        fetcher_hooks += _present_sharded(model, sharded_groups, context)
         fetcher_hooks += hooks.register_backward_exit_hooks(fetcher)
         layouts: list = []  # placed in the compute dtype already
     else:
@@ -206,6 +209,7 @@ def _inference_engine(
         plan, groups, hooked = _plan_shards(model, context, precision)
         fetcher, handles = _fetcher(model, groups, hooked, cfg, context, policies)
         _fill(plan, groups, context, meta_init, fetcher)
+        handles += _present_sharded(model, groups, context)
         handles += hooks.register_backward_exit_hooks(fetcher)
         _cast_model(model, [], precision)
         residency = fetcher
@@ -239,6 +243,15 @@ def _fetcher(
         for param in gathered_parameters.pending_external(module):
             gathered_parameters.add_external(fetcher, module, param)
     return fetcher, handles
+
+
+def _present_sharded(model: torch.nn.Module, groups: list[ShardedGroup], context: comm.DistributedContext) -> list:
+    """Stage 3, once the groups are filled: what code outside zcore sees of
+    the model (parameter counts, state dicts, generation); the hooks' handles."""
+    mark_sharded(groups)
+    if context.world_size > 1:
+        sync_generation(model)
+    return refuse_empty_state_dicts(model)
 
 
 def _check_arguments(
@@ -426,8 +439,9 @@ def _pack(groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.de
 def _cast_model(
     model: torch.nn.Module, layouts: list[Union[FlatUnit, ShardedGroup]], precision: MixedPrecision
 ) -> None:
-    """Parameters and floating-point buffers to the compute dtype; the fp32
-    master shards were taken before, so they keep full precision."""
+    """Parameters to the compute dtype (the fp32 master shards were taken
+    before, so they keep full precision); floating-point buffers only when
+    the config casts them."""
     dtype = precision.compute_dtype
     for layout in layouts:
         if layout.dtype.is_floating_point:
@@ -439,8 +453,31 @@ def _cast_model(
                 p.data = p.data.to(dtype)
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
+                if buf.is_floating_point() and precision.cast_buffers:
                     setattr(module, name, buf.to(dtype))
+    if dtype != torch.float32 and not precision.cast_buffers:
+        _check_norm_statistics(model, dtype)
+
+
+def _check_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """torch's batch and instance norms need their running statistics in
+    their weight's dtype: refused here rather than at the first forward."""
+    for name, module in model.named_modules():
+        stats = getattr(module, "running_mean", None)
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(module, torch.nn.modules.batchnorm._NormBase)
+            and isinstance(stats, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
+            and stats.dtype != dtype
+        ):
+            key = "bf16" if dtype == torch.bfloat16 else "fp16"
+            raise ConfigError(
+                f"{name or 'the model'} ({type(module).__name__}) keeps its running statistics in "
+                f"{stats.dtype} while its weight computes in {dtype}, which torch's norm refuses; set "
+                f"{key}.cast_buffers to true (floating-point buffers then compute in {dtype} too), or "
+                "build the norm without affine weights"
+            )
 
 
 def _reducer(

@@ -126,6 +126,7 @@ class MixedPrecision:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     scaler: LossScaler
+    cast_buffers: bool = False  # floating-point buffers to compute_dtype too
 
 
 def precision_from_config(config: Config) -> MixedPrecision:
@@ -143,10 +144,12 @@ def precision_from_config(config: Config) -> MixedPrecision:
                 consecutive_hysteresis=fp16.consecutive_hysteresis,
             )
         compute = torch.float16
+        cast_buffers = fp16.cast_buffers
     else:
         scaler = NoLossScaler()
         compute = torch.bfloat16 if config.bf16.enabled else torch.float32
+        cast_buffers = config.bf16.enabled and config.bf16.cast_buffers
     # Gradients are reduced in fp32 unless the config asks otherwise: summing
     # low-precision gradients over many ranks loses bits or overflows.
     reduce = _DTYPES[config.communication_data_type or "fp32"]
-    return MixedPrecision(compute_dtype=compute, reduce_dtype=reduce, scaler=scaler)
+    return MixedPrecision(compute_dtype=compute, reduce_dtype=reduce, scaler=scaler, cast_buffers=cast_buffers)

@@ -13,28 +13,63 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zcore.checkpoint.layout import engine_layout
+from zcore.checkpoint.layout import EngineLayout, engine_layout
 from zcore.swapped_optimizer import SwappedMaster
 
 
 def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     layout = engine_layout(engine)
+    values = dict(full_state_tensors(engine, layout, dtype))
+    if engine.context.rank != 0:
+        return {}
+    return {key: values[name] for key, name in layout.keys.items()}
+
+
+def full_state_tensors(engine: Any, layout: EngineLayout, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(tensor name, whole value: floating point in ``dtype``) of every
+    tensor in ``layout``, in ``tensor_order``'s order, on rank 0, each a
+    copy of its own. Every rank must run it to the end (the gathers); the
+    others yield nothing."""
     rank = engine.context.rank
-    values: dict[str, torch.Tensor] = {}
+    done = set()
     for unit, shard in _shards(engine):
         # Offloaded shards (master, parameters) rest on the host; the
         # collective's backend (NCCL on a GPU) needs them on the device.
         full = _gather(shard.to(engine.context.device), unit.padded_numel, rank)
         if rank == 0:
             for i, p in enumerate(unit.params):
-                values[layout.names[id(p)]] = unit.param_slice(full, i).view(unit.shapes[i]).cpu().clone()
-    if rank != 0:
-        return {}
-    for slot in layout.slots:  # whole frozen parameters (stages 0-2) and buffers
-        if slot.name not in values:
-            values[slot.name] = slot.data.view(layout.tensors[slot.name].shape).cpu().clone()
-    cast = {n: (v.to(dtype) if v.is_floating_point() else v) for n, v in values.items()}
-    return {key: cast[name] for key, name in layout.keys.items()}
+                done.add(layout.names[id(p)])
+                yield layout.names[id(p)], _cast(unit.param_slice(full, i).view(unit.shapes[i]), dtype)
+        del full  # before the next unit's is gathered
+    if rank == 0:
+        for name in _whole_slots(layout, done):  # whole frozen parameters (stages 0-2) and buffers
+            slot = next(s for s in layout.slots if s.name == name)
+            yield name, _cast(slot.data.view(layout.tensors[name].shape), dtype)
+
+
+def tensor_order(engine: Any, layout: EngineLayout) -> list[str]:
+    """The tensor names in the order ``full_state_tensors`` yields them."""
+    gathered = [layout.names[id(p)] for unit in _units(engine) for p in unit.params]
+    return gathered + _whole_slots(layout, set(gathered))
+
+
+def _whole_slots(layout: EngineLayout, gathered: set[str]) -> list[str]:
+    return list(dict.fromkeys(s.name for s in layout.slots if s.name not in gathered))
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return value.to("cpu", dtype if value.is_floating_point() else value.dtype, copy=True)
+
+
+def _units(engine: Any) -> Iterator[Any]:
+    """The units whose shards ``_shards`` yields, in its order."""
+    optimizer = engine.optimizer
+    if optimizer is not None:
+        yield from optimizer.units
+    if engine.policies.stage.shards_parameters:
+        for g in engine.residency.groups:
+            if not g.trainable or optimizer is None:
+                yield g
 
 
 def _shards(engine: Any) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -55,6 +90,8 @@ def _shards(engine: Any) -> Iterator[tuple[Any, torch.Tensor]]:
 def _gather(shard: torch.Tensor, padded_numel: int, rank: int) -> torch.Tensor:
     if shard.numel() == padded_numel:  # unsharded (stage 0 or a world of one)
         return shard
-    parts = [torch.empty_like(shard) for _ in range(padded_numel // shard.numel())] if rank == 0 else None
+    # Straight into one buffer: no concatenated copy beside the parts.
+    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if rank == 0 else None
+    parts = list(full.view(-1, shard.numel()).unbind(0)) if rank == 0 else None
     dist.gather(shard.contiguous(), parts, dst=0)
-    return torch.cat(parts) if rank == 0 else shard
+    return full if rank == 0 else shard

@@ -74,10 +74,10 @@ def read_indexes(tag_dir: Path, meta: schema.Meta) -> list[schema.RankIndex]:
 
 
 @dataclass
-class _Staged:
+class Staged:
     """Everything a load changes, read and checked: committing it cannot fail."""
 
-    meta: schema.Meta
+    meta: Optional[schema.Meta]  # None: weights only, from elsewhere (zcore.checkpoint.pretrained)
     layout: EngineLayout
     slots: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     states: Optional[dict[torch.nn.Parameter, dict]] = None  # None: keep the optimizer's
@@ -152,19 +152,19 @@ def load_checkpoint(
     if tag_dir is None:
         log.warning("zcore: no 'latest' file in %s: nothing loaded", load_dir)
         return None, None
-    _commit(engine, staged)
+    commit(engine, staged)
     log.info("zcore: loaded checkpoint %s (saved at world size %d)", tag_dir, staged.meta.world_size)
     return tag_dir, staged.client_state
 
 
-def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
+def _stage(engine: Any, tag_dir: Path, options: _Options) -> Staged:
     layout = engine_layout(engine)
     meta = read_meta(tag_dir)
     _check_model(layout, meta, tag_dir)
     if options.optimizer:
         _check_optimizer(engine, layout, meta, tag_dir)
     indexes = read_indexes(tag_dir, meta)
-    staged = _Staged(meta, layout)
+    staged = Staged(meta, layout)
     try:
         _read(engine, tag_dir, options, meta, layout, indexes, staged)
     except BaseException:
@@ -175,7 +175,7 @@ def _stage(engine: Any, tag_dir: Path, options: _Options) -> _Staged:
 
 def _read(
     engine: Any, tag_dir: Path, options: _Options, meta: schema.Meta, layout: EngineLayout,
-    indexes: list[schema.RankIndex], staged: _Staged,
+    indexes: list[schema.RankIndex], staged: Staged,
 ) -> None:
     rank = engine.context.rank
     values = SlotValues(engine)
@@ -183,7 +183,7 @@ def _read(
         infos = tensor_infos(meta.tensors)
         for slot in layout.slots:
             if values.swapped and infos[slot.name].role == TRAINED:
-                found = saved.dtype(slot.name, slot.start, slot.stop)  # read in _stage_nvme
+                found = saved.dtype(slot.name, slot.start, slot.stop)  # read in stage_nvme
             else:
                 value = saved.read(slot.name, slot.start, slot.stop)
                 found = value.dtype
@@ -201,7 +201,7 @@ def _read(
                 keys = saved.state_keys(slot.name)
                 if not keys:
                     continue  # never stepped when saved
-                if values.swapped:  # ranged states are read in _stage_nvme
+                if values.swapped:  # ranged states are read in stage_nvme
                     state = {key: torch.empty(0, dtype=saved.dtype(slot.name, slot.start, slot.stop, key))
                              for key in keys}
                 else:
@@ -237,13 +237,14 @@ def _read(
             staged.client_state = training_state.decode_client_state(meta.client_state, client_tensors)
         except ValueError as exc:
             raise schema.invalid(meta_path, "client_state", str(exc)) from None
-        _stage_nvme(engine, layout, saved, staged)
+        stage_nvme(engine, layout, saved, staged)
 
 
-def _stage_nvme(engine: Any, layout: EngineLayout, saved: SavedRanges, staged: _Staged) -> None:
+def stage_nvme(engine: Any, layout: EngineLayout, saved: Any, staged: Staged) -> None:
     """Values whose home is on NVMe go to new swap files, adopted at commit:
     optimizer sub-groups (with each unit's compute-dtype shard), and ZeRO-3
-    shards resting on NVMe, trained and frozen."""
+    shards resting on NVMe, trained and frozen. ``saved`` reads ranges (a
+    SavedRanges, or zcore.checkpoint.pretrained's Hugging Face files)."""
     optimizer, residency = engine.optimizer, engine.residency
     nvme_groups = {g.index for g in getattr(residency, "groups", []) if not g.in_memory}
     if nvme_groups:
@@ -264,7 +265,7 @@ def _stage_nvme(engine: Any, layout: EngineLayout, saved: SavedRanges, staged: _
         staged.parameter_swap.wait(group)
 
 
-def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges, staged: _Staged) -> None:
+def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges, staged: Staged) -> None:
     shards = optimizer.update.shards
 
     def put_shard(u: int, shard: torch.Tensor) -> None:
@@ -289,7 +290,7 @@ def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges
 
 
 def _stage_sub_groups(
-    master: SwappedMaster, layout: EngineLayout, saved: SavedRanges, staged: _Staged, put_shard: Any
+    master: SwappedMaster, layout: EngineLayout, saved: SavedRanges, staged: Staged, put_shard: Any
 ) -> SwapManager:
     """Without optimizer states to load, each sub-group keeps its moments."""
     slots = {id(slot.piece): slot for slot in layout.slots_of(TRAINED)}
@@ -308,7 +309,7 @@ def _stage_sub_groups(
     return master.stage(values, put_shard, keep_moments=states is None)
 
 
-def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, staged: _Staged) -> None:
+def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, staged: Staged) -> None:
     """The parts of meta.json that are applied to live objects, checked
     against those objects."""
     if options.optimizer:
@@ -375,7 +376,7 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
         )
 
 
-def _commit(engine: Any, staged: _Staged) -> None:
+def commit(engine: Any, staged: Staged) -> None:
     """Replaces the engine's state with what was staged (and checked)."""
     optimizer = engine.optimizer
     meta = staged.meta
@@ -419,7 +420,7 @@ def _commit(engine: Any, staged: _Staged) -> None:
         engine.restore_counters(staged.counters)
     if staged.rng is not None:
         training_state.set_rng_state(staged.rng, engine.context.device)
-    if meta.world_size != engine.context.world_size and engine.context.rank == 0:
+    if meta is not None and meta.world_size != engine.context.world_size and engine.context.rank == 0:
         log.info(
             "zcore: checkpoint saved at world size %d, loaded at %d: ranks below %d got their saved "
             "RNG states, the others keep theirs",

@@ -257,18 +257,36 @@ class TensorFileReader:
         if self._engine is not None and entry.nbytes:
             self._engine.pread(out, self.path, entry.start).wait()
         else:
-            self._file.seek(entry.start)
-            done = 0
-            while done < entry.nbytes:
-                n = self._file.readinto(view[done:])
-                if not n:
-                    raise self._corrupt(f"ends inside tensor {name!r}")
-                done += n
+            self._read_into(view, entry.start, name)
         if self.record is not None:
             expected = self.record.tensors.get(name)
             if expected is None or digest(view) != expected:
                 raise self._corrupt(f"fails the checksum of tensor {name!r}")
         return out
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of tensor ``name`` flattened, alone. Only
+        for a file without a record: checksums cover whole tensors."""
+        if self.record is not None:
+            raise ValueError(f"{self.path.name}: a checksummed file's tensors are read whole")
+        entry = self.entries.get(name)
+        if entry is None:
+            raise self._corrupt(f"lacks tensor {name!r} that its index lists")
+        numel = entry.nbytes // entry.dtype.itemsize
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"{self.path.name}: tensor {name!r} has {numel} elements, not [{start}, {stop})")
+        out = torch.empty(stop - start, dtype=entry.dtype)
+        self._read_into(bytes_of(out), entry.start + start * entry.dtype.itemsize, name)
+        return out
+
+    def _read_into(self, view: memoryview, offset: int, name: str) -> None:
+        self._file.seek(offset)
+        done = 0
+        while done < len(view):
+            n = self._file.readinto(view[done:])
+            if not n:
+                raise self._corrupt(f"ends inside tensor {name!r}")
+            done += n
 
     def empty(self, name: str, numel: Optional[int] = None) -> torch.Tensor:
         """A tensor to read tensor ``name`` into (its first ``numel`` elements
@@ -283,6 +301,11 @@ class TensorFileReader:
         return page_placed(size, entry.start).view(entry.dtype).view(shape)
 
     def _corrupt(self, what: str) -> CheckpointCorruptError:
+        if self.record is None:  # a file from elsewhere (a Hugging Face model), never indexed by zcore
+            return CheckpointCorruptError(
+                f"safetensors file {self.path} {what}: it is damaged or incomplete (a partial download "
+                "or copy?); fetch it again", path=str(self.path),
+            )
         return CheckpointCorruptError(
             f"checkpoint file {self.path} {what}: it changed after it was written (disk error, partial "
             "copy or edit); restore it from a copy or load an earlier tag",

@@ -1,0 +1,321 @@
+"""Hugging Face model directories in and out of a running engine, streamed.
+
+``save_pretrained`` writes what transformers' ``from_pretrained`` reads: the
+model's config (and generation config) and its weights as safetensors
+files, split at a maximum size with a ``model.safetensors.index.json`` when
+there are several. Tensors are gathered one unit at a time onto rank 0 and
+written as they arrive (every name, dtype and shape is known up front, so
+each file's header goes first): no rank ever holds the whole model. Tied
+parameters are written once, under their first name, as transformers does.
+
+``load_pretrained`` reads such a directory (one file, or shards with their
+index) straight into each rank's shards: every rank reads only the element
+ranges it keeps, so a rank's memory grows by its own shards, never by the
+model. The values are staged and checked on every rank first, and the
+engine's state is replaced only once every rank succeeded
+(zcore.checkpoint.load's two phases).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from zcore import comm
+from zcore.checkpoint import durable
+from zcore.checkpoint.files import read_small
+from zcore.checkpoint.full_state import full_state_tensors, tensor_order
+from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
+from zcore.checkpoint.load import Staged, commit, stage_nvme
+from zcore.checkpoint.slot_values import SlotValues
+from zcore.checkpoint.tensor_file import TensorFileReader, TensorFileWriter, TensorSpec, plan_files
+from zcore.errors import CheckpointError, CheckpointMismatchError, ZcoreError
+
+log = logging.getLogger("zcore")
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_MAX_INDEX_BYTES = 64 * 2**20
+
+
+def weight_file_names(count: int) -> list[str]:
+    """transformers' names for a model's weight files."""
+    return [WEIGHTS] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def save_pretrained(
+    engine: Any,
+    save_directory: Union[str, Path],
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int = 5 * 2**30,
+) -> Optional[list[Path]]:
+    """Writes a Hugging Face model directory from the engine; call it on every
+    rank. Floating-point weights are written in ``dtype`` (fp32 by default:
+    the master weights). Returns the files written on rank 0, None elsewhere."""
+    engine._finish_step()
+    layout = engine_layout(engine)
+    order = tensor_order(engine, layout)
+    specs = [_spec(name, layout, dtype) for name in order]
+    files = plan_files(specs, max_shard_size)
+    names = weight_file_names(len(files))
+    out = Path(save_directory)
+    rank0 = engine.context.rank == 0
+    failure: Optional[BaseException] = None
+    written: list[Path] = []
+    tensors = full_state_tensors(engine, layout, dtype)
+    try:
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+            written = _write_weights(out, names, files, tensors)
+            written += _write_configs(engine.module, out, dtype)
+            _remove_stale_weights(out, {p.name for p in written})
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+        failure = exc
+    for _ in tensors:  # the other ranks' part in each gather (rank 0 has consumed them all)
+        pass
+    comm.raise_if_any_failed(
+        failure if failure is None or isinstance(failure, ZcoreError) else CheckpointError(
+            f"saving a Hugging Face directory to {out} failed: {type(failure).__name__}: {str(failure)[:500]}"
+        ),
+        f"saving a Hugging Face directory to {out}",
+        CheckpointError,
+    )
+    return written if rank0 else None
+
+
+def _spec(name: str, layout: EngineLayout, dtype: torch.dtype) -> TensorSpec:
+    info = layout.tensors[name]
+    return TensorSpec(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape)
+
+
+def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], tensors: Any) -> list[Path]:
+    written = []
+    for file_name, file_specs in zip(names, files):
+        with TensorFileWriter(out / file_name, file_specs) as writer:
+            for spec in file_specs:
+                name, value = next(tensors)
+                if name != spec.name:  # tensor_order and full_state_tensors disagree: a bug, never a wrong file
+                    raise AssertionError(f"expected tensor {spec.name!r}, got {name!r}")
+                writer.write(value)
+                del value  # before the next tensor is gathered
+            writer.commit()
+        written.append(out / file_name)
+    if len(files) > 1:
+        weight_map = {spec.name: n for n, file_specs in zip(names, files) for spec in file_specs}
+        total = sum(spec.nbytes for file_specs in files for spec in file_specs)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        durable.write_bytes(out / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        written.append(out / INDEX)
+    return written
+
+
+def _write_configs(module: torch.nn.Module, out: Path, dtype: torch.dtype) -> list[Path]:
+    """The model's config as transformers writes it beside the weights (its
+    class as the architecture, the weights' dtype), and its generation
+    config; nothing for a model without a config."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return []
+    config.architectures = [type(module).__name__]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(out)
+    written = [out / "config.json"]
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(out)
+        written.append(out / "generation_config.json")
+    return written
+
+
+def _remove_stale_weights(out: Path, kept: set[str]) -> None:
+    """Weight files of an earlier save with another split would be read
+    with the new ones."""
+    for path in out.iterdir():
+        if (path.name == INDEX or _WEIGHT_FILE.fullmatch(path.name)) and path.name not in kept:
+            path.unlink()
+
+
+def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = True) -> tuple[list[str], list[str]]:
+    """Loads the weights of a Hugging Face model directory into the engine;
+    call it on every rank. Returns (missing, unexpected) tensor names, as
+    ``load_state_dict`` does; with ``strict`` either is an error, and
+    without it a tensor missing from the files keeps its current values."""
+    engine._finish_step()
+    layout = engine_layout(engine)
+    values = SlotValues(engine)
+    staged, failure, result = None, None, ([], [])
+    try:
+        with _PretrainedFiles(Path(directory)) as files:
+            sources, result = _match(files, layout, Path(directory), strict)
+            ranges = _Ranges(files, sources, _current_values(values, layout, set(result[0])))
+            staged = Staged(None, layout)
+            for slot in layout.slots:
+                if values.swapped and slot.piece is not None:
+                    continue  # trained ranges on NVMe: staged by stage_nvme, a sub-group at a time
+                staged.slots.append((slot, ranges.read(slot.name, slot.start, slot.stop).to(slot.data.dtype)))
+            stage_nvme(engine, layout, ranges, staged)
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+        failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
+            f"loading Hugging Face weights from {directory} failed: {type(exc).__name__}: {str(exc)[:500]}"
+        )
+    try:
+        comm.raise_if_any_failed(failure, f"loading Hugging Face weights from {directory}", CheckpointError)
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
+    commit(engine, staged)
+    return result
+
+
+def _current_values(values: SlotValues, layout: EngineLayout, missing: set[str]) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Copies of this rank's ranges of the ``missing`` tensors, which keep
+    their values: per name, (first element, values)."""
+    current: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    if not missing:
+        return current
+    trained = [s for s in layout.slots_of(TRAINED)]
+    for slot, value, _ in values.trained(trained):
+        if slot.name in missing:
+            current.setdefault(slot.name, []).append((slot.start, value.clone()))
+    for slot in layout.slots:
+        if slot.name in missing and slot.piece is None:
+            current.setdefault(slot.name, []).append((slot.start, values.frozen(slot).clone()))
+    return current
+
+
+class _PretrainedFiles:
+    """The weight files of a directory and which holds each tensor."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index, single = directory / INDEX, directory / WEIGHTS
+        if index.is_file():
+            weight_map = _read_index(index)
+        elif single.is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(
+                f"{directory} holds neither {WEIGHTS} nor {INDEX}: not a Hugging Face model directory "
+                "saved with safetensors (convert .bin weights with transformers' save_pretrained first)"
+            )
+        self._readers: dict[str, TensorFileReader] = {}
+        try:
+            if weight_map is None:
+                self.file_of = {key: WEIGHTS for key in self._reader(WEIGHTS).entries}
+            else:
+                self.file_of = weight_map
+                for key, name in weight_map.items():
+                    if key not in self._reader(name).entries:
+                        raise CheckpointError(f"{index} places tensor {key!r} in {name}, which does not hold it")
+        except BaseException:
+            self.close()
+            raise
+
+    def _reader(self, name: str) -> TensorFileReader:
+        if name not in self._readers:
+            self._readers[name] = TensorFileReader(self.directory / name)
+        return self._readers[name]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._reader(self.file_of[key]).entries[key].shape
+
+    def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._reader(self.file_of[key]).read_range(key, start, stop)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+    def __enter__(self) -> _PretrainedFiles:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(read_small(path, _MAX_INDEX_BYTES))["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and _WEIGHT_FILE_OR_VARIANT.fullmatch(v) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{path}: its weight_map must map tensor names to safetensors file names in the same directory"
+        )
+    return weight_map
+
+
+_WEIGHT_FILE_OR_VARIANT = re.compile(r"[A-Za-z0-9_.\-]+\.safetensors")
+
+
+def _match(
+    files: _PretrainedFiles, layout: EngineLayout, directory: Path, strict: bool
+) -> tuple[dict[str, str], tuple[list[str], list[str]]]:
+    """Which file key holds each of the model's tensors (a tied tensor under
+    any of its names), checked for shape; and (missing, unexpected)."""
+    aliases: dict[str, list[str]] = {}
+    for key, name in layout.keys.items():
+        aliases.setdefault(name, []).append(key)
+    sources = {}
+    for name, keys in aliases.items():
+        found = next((k for k in keys if k in files.file_of), None)
+        if found is not None:
+            sources[name] = found
+    known = set(layout.keys)
+    missing = [n for n in aliases if n not in sources]
+    unexpected = [k for k in files.file_of if k not in known]
+    reshaped = [
+        f"{key}: file {list(files.shape(key))}, model {list(layout.tensors[name].shape)}"
+        for name, key in sources.items()
+        if tuple(files.shape(key)) != tuple(layout.tensors[name].shape)
+    ]
+    if reshaped or (strict and (missing or unexpected)):
+        parts = []
+        for label, names in (("missing from the files", missing), ("in the files but not in the model", unexpected),
+                             ("with another shape", reshaped)):
+            if names:
+                parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        raise CheckpointMismatchError(
+            f"the weights in {directory} are of another model; tensors " + "; ".join(parts)
+            + ". Build the model from the config saved with them"
+            + ("" if reshaped else ", or pass strict=False to load the tensors that match"),
+            missing=missing, unexpected=unexpected, reshaped=reshaped,
+        )
+    if missing or unexpected:
+        log.warning("zcore: %s: %d tensors missing from the files (%s), %d unexpected (%s)", directory,
+                    len(missing), ", ".join(missing[:5]), len(unexpected), ", ".join(unexpected[:5]))
+    return sources, (missing, unexpected)
+
+
+class _Ranges:
+    """What zcore.checkpoint.load's staging reads ranges from: element
+    ranges of the model's tensors, from the files (or, for tensors missing
+    from them, their current values); no optimizer states."""
+
+    def __init__(
+        self, files: _PretrainedFiles, sources: dict[str, str], current: dict[str, list[tuple[int, torch.Tensor]]]
+    ) -> None:
+        self._files = files
+        self._sources = sources  # tensor name -> its key in the files
+        self._current = current
+
+    def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
+        if name in self._sources:
+            return self._files.read_range(self._sources[name], start, stop)
+        for first, value in self._current[name]:
+            if first <= start and stop <= first + value.numel():
+                return value[start - first : stop - first]
+        raise KeyError(f"no current values of {name}[{start}:{stop}]")
+
+    def state_keys(self, name: str) -> list[str]:
+        return []
