@@ -311,13 +311,15 @@ def _plan_shards(
 ) -> tuple[GroupPlan, list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
     """Stage 3: which parameters form which group, and the groups (without
     values: ``_fill`` gives them); buffers go to the device whole, rank 0's
-    on every rank."""
+    on every rank (those on the meta device later, as ``_fill`` materialises
+    them)."""
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
-            setattr(module, name, buf.to(context.device))
+            if not buf.is_meta:
+                setattr(module, name, buf.to(context.device))
     if context.world_size > 1:
         with torch.no_grad():
-            comm.broadcast_from_rank0([b for b in model.buffers()])
+            comm.broadcast_from_rank0([b for b in model.buffers() if not b.is_meta])
     plan = plan_groups(model)
     groups, hooked = build_groups(plan, context.world_size, context.rank, context.device, precision.compute_dtype)
     return plan, groups, hooked
@@ -333,11 +335,11 @@ def _fill(
     units: Sequence[Unit] = (),
 ) -> None:
     """Stage 3: each group's shard, one module at a time, from rank 0's
-    values (or materialised from the meta device, identically on every
-    rank): its trained values to the master first, then, in the compute
-    dtype, to the tier its shard rests on. Memory holds one module's full
-    parameters and one sub-group of optimizer states beyond the shards that
-    stay in memory."""
+    values (materialised first where the model was built on the meta
+    device, zcore.meta_init): its trained values to the master first, then,
+    in the compute dtype, to the tier its shard rests on. Memory holds one
+    module's full parameters and one sub-group of optimizer states beyond
+    the shards that stay in memory."""
     unit_of = {g.index: u for u, g in enumerate(units)}
 
     def place(group: ShardedGroup, values: torch.Tensor) -> None:
@@ -346,10 +348,12 @@ def _fill(
             master.take(u, values)
         fetcher.place_shard(group, values)
 
-    materialise = None
-    if meta_init is not None:
-        materialise = functools.partial(meta_init.materialise, device=context.device)
-    fill_groups(plan, groups, context.world_size > 1 and meta_init is None, place, materialise)
+    synchronise = context.world_size > 1
+    if meta_init is None:
+        fill_groups(plan, groups, synchronise, place)
+    else:
+        with meta_init.materialising(plan.model, context.device, synchronise) as materialise:
+            fill_groups(plan, groups, synchronise, place, materialise)
     if master is not None:
         master.finish()
 

@@ -133,7 +133,10 @@ class ShardedGroup:
 class GroupPlan:
     """Who owns what, before any group is built."""
 
-    owned: list[tuple[str, torch.nn.Module, list[list[torch.nn.Parameter]]]]  # per module: its groups' params
+    model: torch.nn.Module
+    # Per module that owns parameters or meta buffers (zcore.meta_init
+    # materialises those), in named_modules() order: its groups' params.
+    owned: list[tuple[str, torch.nn.Module, list[list[torch.nn.Parameter]]]]
     uses: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]  # per module: every direct param
 
 
@@ -142,16 +145,16 @@ def plan_groups(model: torch.nn.Module) -> GroupPlan:
     owned, uses = [], []
     for name, module in model.named_modules():
         direct = list(module.parameters(recurse=False))
-        if not direct:
-            continue
         kinds: dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in direct:
             if id(p) not in owner:
                 owner.add(id(p))
                 kinds.setdefault((p.requires_grad, p.dtype), []).append(p)
-        owned.append((name, module, list(kinds.values())))
-        uses.append((module, direct))
-    return GroupPlan(owned=owned, uses=uses)
+        if kinds or any(b.is_meta for b in module.buffers(recurse=False)):
+            owned.append((name, module, list(kinds.values())))
+        if direct:
+            uses.append((module, direct))
+    return GroupPlan(model=model, owned=owned, uses=uses)
 
 
 def build_groups(
@@ -181,11 +184,12 @@ def fill_groups(
     materialise: Optional[Callable[[str, torch.nn.Module, list[torch.nn.Parameter]], None]] = None,
 ) -> None:
     """Module by module: ``materialise(name, module, owned)`` first gives a
-    meta module's owned parameters their values (zcore.meta_init), then each
-    of its groups takes this rank's shard of them (rank 0's values when
-    ``synchronise``) and ``place(group, values)`` gets that shard, in the
-    parameters' own dtype, to keep. Full values are dropped group by group,
-    so memory holds one module's parameters at a time beyond the shards."""
+    meta module's owned parameters and buffers their values (zcore.meta_init),
+    then each of its groups takes this rank's shard of them (rank 0's values
+    when ``synchronise``) and ``place(group, values)`` gets that shard, in
+    the parameters' own dtype, to keep. Full values are dropped group by
+    group, so memory holds one module's parameters at a time beyond the
+    shards."""
     built = iter(groups)
     for name, module, kinds in plan.owned:
         if materialise is not None:
