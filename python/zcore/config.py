@@ -433,7 +433,7 @@ def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
         raise ConfigError("zcore.initialize needs a config (a dict or a path to a JSON file)")
     if isinstance(config, (str, Path)):
         path = Path(config)
-        raw = _read_config_file(path)
+        raw = read_config_file(path)
         try:
             return _validate(raw)
         except ConfigError as exc:
@@ -459,7 +459,7 @@ def _validate(raw: dict) -> Config:
 _MAX_CONFIG_FILE = 1 << 20  # bytes; DeepSpeed configs are a few KB
 
 
-def _read_config_file(path: Path) -> dict:
+def read_config_file(path: Path) -> dict:
     name = repr(str(path))
     try:
         # O_NONBLOCK: a FIFO given as the config must not block the open.

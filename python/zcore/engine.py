@@ -127,9 +127,11 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self.accumulated_micro_steps = 0  # since the last optimizer step: their gradients wait
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+        self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's, over the count
         # An optimizer step that failed part-way (a disk full during a
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
@@ -172,11 +174,22 @@ class Engine:
 
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Back-propagates ``loss`` scaled for accumulation (and by the fp16 loss
-        scale); gradients are reduced across ranks as backward produces them."""
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """As DeepSpeed's: whether the coming micro-steps end an accumulation,
+        decided by the caller instead of counted (a loop whose last
+        accumulation of an epoch is shorter: transformers' Trainer). Set it
+        before each micro-step's backward."""
+        self._boundary = bool(is_boundary)
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Back-propagates ``loss`` scaled for accumulation (unless
+        ``scale_wrt_gas`` is False: the caller scaled it, as DeepSpeed's
+        argument says) and by the fp16 loss scale; gradients are reduced
+        across ranks as backward produces them."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss tensor, got "
@@ -187,7 +200,7 @@ class Engine:
         self._finish_step()
         reducer = optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
-        factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
+        factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         try:
             (loss * factor if factor != 1.0 else loss).backward()
         except BaseException as exc:
@@ -229,6 +242,7 @@ class Engine:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
+            self.accumulated_micro_steps = 0
             if self.context.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
                 log.info(
                     "step %d: lr %s, loss scale %g, skipped %d",
@@ -237,6 +251,8 @@ class Engine:
                     optimizer.loss_scale,
                     self.skipped_steps,
                 )
+        else:
+            self.accumulated_micro_steps += 1
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
 
@@ -361,6 +377,7 @@ class Engine:
         self.global_samples = counters.global_samples
         self.micro_steps = counters.micro_steps
         self.skipped_steps = counters.skipped_steps
+        self.accumulated_micro_steps = 0
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

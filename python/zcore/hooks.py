@@ -86,7 +86,10 @@ class _OnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, event: Callable[[], None], *tensors: torch.Tensor):
         ctx.event = event
-        return tensors
+        # Returned as-is, they would be views of the inputs made by a
+        # multi-output Function, which autograd forbids changing in place
+        # (transformers' Trainer scales the loss with `loss *= ...`).
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):

@@ -220,3 +220,36 @@ def check_attributes_fall_through(rank, world):
 
 def test_the_wrapped_modules_attributes_are_the_engines_as_in_deepspeed():
     assert run_ranks(check_attributes_fall_through, 1, launcher=False, timeout=120) == [True]
+
+
+def boundary_set_by_the_caller(rank, world, stage):
+    """Accumulation of 4 by the config, but the caller ends it after 2
+    micro-batches of losses it already divided (as transformers' Trainer
+    does at an epoch's end): one AdamW step on the mean of the 2 gradients."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    reference = nn.Linear(6, 3)
+    reference.load_state_dict(model.state_dict())
+    batches = [torch.randn(2, 6) for _ in range(2)]
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    for x in batches:
+        (reference(x).square().mean() / 2).backward()
+    optimizer.step()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = zcore.initialize(model=model, config=config)
+    for i, x in enumerate(batches):
+        engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+        engine.backward(engine(x).square().mean() / 2, scale_wrt_gas=False)
+        engine.step()
+    state = engine.full_state_dict()
+    return engine.global_steps, engine.accumulated_micro_steps, state, reference.state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_caller_can_end_an_accumulation_as_in_deepspeed(stage):
+    steps, pending, got, expected = run_ranks(boundary_set_by_the_caller, 1, stage, timeout=120)[0]
+    assert (steps, pending) == (1, 0)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7)

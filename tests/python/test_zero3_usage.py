@@ -4,6 +4,7 @@ saved-tensor hooks that keep backward reading the right bytes, departures
 from the trace, and a forward that fails."""
 
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -228,3 +229,47 @@ def test_departures_are_logged_once_and_a_failed_forward_releases_everything():
     assert got["departures"] >= 4 and len(got["notices"]) == 1
     assert got["after_failure"] == (True, 0, False) and got["aborted"] == 1
     assert got["gathered_at_end"] == 0
+
+
+
+class ScaledInPlace(nn.Module):
+    """Changes a hooked module's output in place; the caller then changes
+    the root's output in place, as transformers' Trainer does to the loss
+    (``loss *= ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inner(x)
+        h *= 2.0
+        return self.head(h).square().mean()
+
+
+def in_place_gradient_norms(rank, world):
+    torch.manual_seed(0)
+    model = ScaledInPlace()
+    reference = ScaledInPlace()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)  # the same on every rank: the mean gradient is this one's
+    loss = reference(x)
+    loss *= 3.0
+    loss.backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    # A clipping threshold never reached makes the step compute the norm.
+    config = {**stage3_config(), "train_batch_size": 4 * world, "gradient_clipping": 1e9}
+    engine, *_ = zcore.initialize(model=model, config=config)
+    loss = engine(x)
+    loss *= 3.0
+    engine.backward(loss)
+    engine.step()
+    return engine.last_grad_norm, expected
+
+
+def test_outputs_changed_in_place_keep_their_gradients():
+    """Autograd refused in-place changes to the outputs zcore's backward
+    hooks passed on (views of a multi-output Function)."""
+    for got, expected in run_ranks(in_place_gradient_norms, 2, timeout=120):
+        assert got == pytest.approx(expected, rel=1e-5)

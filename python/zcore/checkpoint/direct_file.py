@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from zcore._staging import page_placed
 from zcore.aio import AioEngine, IoHandle

@@ -33,11 +33,11 @@ log = logging.getLogger("zcore")
 
 
 def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> Path:
-    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+    if engine.accumulated_micro_steps:
         raise CheckpointError(
             f"save_checkpoint was called after micro-step {engine.micro_steps}, inside a gradient "
-            f"accumulation window of {engine.gradient_accumulation_steps()}: the partial gradients "
-            "would be lost; save right after the engine.step() that ends the window"
+            f"accumulation window ({engine.accumulated_micro_steps} micro-steps accumulated): the partial "
+            "gradients would be lost; save right after the engine.step() that ends the window"
         )
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     directory.check_same_tag(tag, f"saving a checkpoint in {save_dir}")

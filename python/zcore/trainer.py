@@ -1,0 +1,256 @@
+"""transformers' Trainer, training on a zcore engine.
+
+    from zcore.trainer import ZcoreTrainer
+
+    trainer = ZcoreTrainer(
+        model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...,
+        zcore_config={"zero_optimization": {"stage": 3}},
+    )
+    trainer.train()  # or trainer.train(resume_from_checkpoint=True)
+
+Launched as any Trainer script is (``torchrun --nproc_per_node=N``). The
+Trainer keeps its loop, data loading, evaluation, logging, callbacks,
+learning-rate schedule and checkpoint rotation; zcore owns the parameters,
+gradients, optimizer step and precision.
+
+Why a subclass: Trainer and Accelerate recognise only their own engines
+(DeepSpeed, FSDP, Megatron) through closed lists, and pretending to be
+DeepSpeed would tie zcore to DeepSpeed's internals as transformers calls
+them. Trainer's documented extension point is subclassing: this overrides
+where the model is wrapped (the engine), the training step (zcore's
+backward and step, at the boundaries the Trainer decides), the optimizer
+handed to the schedule (zcore's parameter groups), and where weights and
+optimizer states are saved and loaded. Some of those methods are private,
+so the transformers version is pinned (5.24.0) in the tests.
+
+From the TrainingArguments, unless the zcore config sets them:
+- ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
+  (the config may repeat them, not differ);
+- ``gradient_clipping`` from ``max_grad_norm``;
+- an AdamW from ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and
+  ``weight_decay``, over transformers' decay and no-decay groups;
+- ``bf16``. fp16 is zcore's own (dynamic loss scaling): set it in the
+  zcore config; ``fp16=True`` in the arguments would bring Accelerate's
+  gradient scaler, which never sees zcore's gradients, and is refused.
+
+A checkpoint directory holds the Trainer's files, the weights as
+``save_pretrained`` writes them (``zcore.save_pretrained``: fp32 master
+weights, loadable with ``from_pretrained``) and zcore's sharded checkpoint
+(tag ``zcore``) with the optimizer states, from which training resumes
+exactly, at any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import transformers
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from zcore.checkpoint.directory import LATEST
+from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
+from zcore.config import Config, load_config, read_config_file
+from zcore.engine import Engine
+from zcore.errors import ConfigError
+from zcore.initialize import initialize
+
+CHECKPOINT_TAG = "zcore"
+_ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
+
+
+class ZcoreTrainer(transformers.Trainer):
+    def __init__(self, *args: Any, zcore_config: Union[dict, str, os.PathLike, None] = None, **kwargs: Any) -> None:
+        """``zcore_config``: zcore's (DeepSpeed-style) config, as a dict or a
+        JSON file; what it leaves out comes from the TrainingArguments."""
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None or optimizers[1] is not None:
+            raise ConfigError(
+                "ZcoreTrainer builds its optimizer in zcore (from the zcore config or the "
+                "TrainingArguments) and its schedule from the TrainingArguments; do not pass optimizers=()"
+            )
+        super().__init__(*args, **kwargs)
+        config = _config_from(self.args, _as_dict(zcore_config))
+        self.engine: Engine = initialize(
+            model=self.model, config=config, model_parameters=_decay_groups(self, config)
+        )[0]
+
+    # Placement and wrapping: zcore's.
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """zcore places each shard itself; moving the whole model to the
+        device first is what ZeRO exists to avoid."""
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> Engine:
+        return self.engine
+
+    def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = _EngineOptimizer(self.engine)
+        return self.optimizer
+
+    # One micro-batch: the Trainer's loss, zcore's backward and step.
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        engine = self.engine
+        engine.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(engine, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        # The Trainer's rule: a loss normalised over the whole accumulation
+        # (num_items_in_batch) is not divided again.
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        # The Trainer decides the boundary (an epoch's last accumulation may be shorter).
+        engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: Any) -> Optional[float]:
+        return self.engine.last_grad_norm  # zcore clipped in its step (gradient_clipping)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Optional[float] = None) -> Optional[float]:
+        return self.engine.last_grad_norm
+
+    # Weights and optimizer states.
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Writes a directory ``from_pretrained`` loads; call it on every rank."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_pretrained(self.engine, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
+        """Weights alone only when the checkpoint has no zcore checkpoint
+        (``save_only_model``); else they come with the optimizer states."""
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, LATEST)):
+            load_pretrained(self.engine, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, LATEST)):
+            return
+        self.engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        load_pretrained(self.engine, self.state.best_model_checkpoint)
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer and its schedule see as the optimizer: zcore's
+    parameter groups, whose learning rates the schedule sets. Stepping and
+    zeroing happen in the engine (ZcoreTrainer.training_step); the states
+    are saved in zcore's checkpoint, not in this object's state dict."""
+
+    def __init__(self, engine: Engine) -> None:  # no Optimizer.__init__: nothing of its own to hold
+        self._engine = engine
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._engine.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self._engine.optimizer.inner.defaults
+
+    @property
+    def state(self) -> Any:
+        return self._engine.optimizer.state
+
+    def step(self, closure: Any = None) -> None:
+        """The step ran in the engine at the end of the micro-batch."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """zcore's gradients are cleared by its own step."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            raise ConfigError(
+                "zcore's optimizer states are loaded from zcore's checkpoint (engine.load_checkpoint), "
+                "not from a torch optimizer state dict"
+            )
+
+
+def _as_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    return read_config_file(Path(config))
+
+
+def _config_from(args: transformers.TrainingArguments, config: dict) -> Config:
+    """The zcore config: the user's, completed from the TrainingArguments."""
+    if args.fp16:
+        raise ConfigError(
+            "TrainingArguments.fp16 would give Accelerate's gradient scaler, which never sees zcore's "
+            "gradients; set fp16 in the zcore config instead ({'fp16': {'enabled': true}}: zcore's "
+            "dynamic loss scaling) and leave TrainingArguments.fp16 false"
+        )
+    derived = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+    }
+    for key, value in derived.items():
+        if key in config and config[key] != value:
+            raise ConfigError(
+                f"the zcore config's {key} is {config[key]} but the TrainingArguments give {value}; the "
+                "Trainer's data loader and loop follow the TrainingArguments: set it there (or drop it here)"
+            )
+        config[key] = value
+    config.pop("train_batch_size", None)  # follows from the two and the world size
+    config.setdefault("gradient_clipping", args.max_grad_norm)
+    if "optimizer" not in config:
+        optim = str(getattr(args.optim, "value", args.optim))
+        if optim not in _ADAMW:
+            raise ConfigError(
+                f"TrainingArguments.optim {optim!r}: zcore trains with its own optimizers; use one of "
+                f"{sorted(_ADAMW)} (an AdamW), or give the zcore config an optimizer section"
+            )
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": args.learning_rate,
+                "betas": [args.adam_beta1, args.adam_beta2],
+                "eps": args.adam_epsilon,
+                "weight_decay": args.weight_decay,
+            },
+        }
+    if args.bf16:
+        config.setdefault("bf16", {})
+        config["bf16"].setdefault("enabled", True)
+    return load_config(config)
+
+
+def _decay_groups(trainer: transformers.Trainer, config: Config) -> list[dict]:
+    """transformers' split: no weight decay on biases and norms."""
+    decay = set(trainer.get_decay_parameter_names(trainer.model))
+    params = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    weight_decay = config.optimizer.params.weight_decay
+    groups = [
+        {"params": [p for n, p in params if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
