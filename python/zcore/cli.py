@@ -17,16 +17,15 @@ def demo(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def size_in_bytes(text: str) -> int:
-    """'5GB', '500MiB' or a plain number of bytes."""
-    number = text.rstrip("BbKkMmGgIi")
-    unit = text[len(number):].upper()
-    if unit not in _UNITS or not number.replace(".", "", 1).isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MiB or 1000000")
-    return int(float(number) * _UNITS[unit])
+def size_argument(text: str) -> int:
+    from zcore.checkpoint.files import size_in_bytes
+
+    try:
+        return size_in_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def consolidate(args: argparse.Namespace) -> int:
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("output", help="directory for model.safetensors (or its split files and index)")
     merge.add_argument("--tag", default=None, help="tag to consolidate (default: the one in 'latest')")
     merge.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="floating-point dtype (default fp32)")
-    merge.add_argument("--max-shard-size", type=size_in_bytes, default=5 * 2**30,
+    merge.add_argument("--max-shard-size", type=size_argument, default=5 * 2**30,
                        help="largest output file, e.g. 5GB or 2GiB (default 5GiB)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "consolidate":

@@ -98,6 +98,8 @@ def initialize(
         _check_inference(cfg, model_parameters, lr_scheduler)
     context = comm.init_distributed()
     precision = precision_from_config(cfg)
+    if precision.compute_dtype != torch.float32 and not precision.cast_buffers:
+        _check_norm_statistics(model, precision.compute_dtype)  # before the model is changed
     policies = policies_from_config(cfg, context)
 
     on_meta = is_meta(model)
@@ -459,8 +461,6 @@ def _cast_model(
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point() and precision.cast_buffers:
                     setattr(module, name, buf.to(dtype))
-    if dtype != torch.float32 and not precision.cast_buffers:
-        _check_norm_statistics(model, dtype)
 
 
 def _check_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:

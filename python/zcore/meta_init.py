@@ -31,8 +31,8 @@ before (and since sharded) are stood in for by meta tensors in their
 modules' ``_parameters`` and ``_buffers`` until the fill ends, when the
 real objects go back.
 
-Floating-point meta buffers start as NaN, and one still NaN after its init
-chain is refused (other dtypes start as zeros, unchecked).
+A meta buffer that its init chain never writes is refused, and so is a
+floating-point one left partly unset (they start as NaN).
 
 The values are an eager construction's in distribution, not bit for bit
 (each module has its own seed); ``module_seed`` is the contract for
@@ -124,18 +124,21 @@ class _Fill:
             else:
                 real = torch.zeros(b.shape, dtype=b.dtype, device=self._device)
             torch.utils.swap_tensors(b, real)
+        versions = {key: b._version for key, b in buffers.items()}  # an init's in-place write bumps it
         devices = [self._device] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(self._meta_init.module_seed(name))
             self._init(name, module, bool(owned))
+        untouched = {key for key, b in buffers.items() if b._version == versions[key]}
         if self._synchronise and buffers:
             comm.broadcast_from_rank0(list(buffers.values()))
         for key, b in buffers.items():
-            if b.is_floating_point() and bool(b.isnan().any()):
+            if key in untouched or (b.is_floating_point() and bool(b.isnan().any())):
                 raise ConfigError(
                     f"buffer {_qualified(name, key)!r} ({type(module).__name__}) was built on the meta "
                     "device and its initialisation (reset_parameters(), then the init function on the "
-                    "module and its ancestors) left it unset (NaN): pass zcore.initialize(meta_init="
+                    "module and its ancestors) left it unset (never written, or NaN left in it): pass "
+                    "zcore.initialize(meta_init="
                     "zcore.MetaInit(init_fn=...)) with a function that sets it, or create the buffer "
                     "on the CPU (torch.device('cpu') inside the module)"
                 )

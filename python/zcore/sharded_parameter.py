@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zcore.errors import InvalidStateError
 
@@ -28,12 +29,17 @@ if TYPE_CHECKING:
     from zcore.sharded_group import ShardedGroup
 
 
+# Each sharded parameter's whole element count, kept by zcore rather than
+# on the Parameter (a copy or an unpickled parameter is not in it).
+_WHOLE_NUMEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class ShardedParameter(torch.nn.Parameter):
     # Parameter disables __torch_function__ for speed; so does this subclass
     # (inherited), so operators see a plain Parameter.
 
     def numel(self) -> int:
-        whole = self.__dict__.get("_zcore_numel")  # absent on a copy (deepcopy builds a bare one)
+        whole = _WHOLE_NUMEL.get(self)
         return super().numel() if whole is None else whole
 
     nelement = numel
@@ -47,7 +53,7 @@ def mark_sharded(groups: Iterable[ShardedGroup]) -> None:
         for param, numel in zip(group.params, group.numels):
             if not isinstance(param, ShardedParameter):
                 param.__class__ = ShardedParameter
-            param._zcore_numel = numel
+            _WHOLE_NUMEL[param] = numel
 
 
 def refuse_empty_state_dicts(model: torch.nn.Module) -> list:

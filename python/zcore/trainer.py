@@ -33,16 +33,28 @@ From the TrainingArguments, unless the zcore config sets them:
   zcore config; ``fp16=True`` in the arguments would bring Accelerate's
   gradient scaler, which never sees zcore's gradients, and is refused.
 
+"auto" in the zcore config (as in DeepSpeed configs written for
+transformers) means the same: take it from the TrainingArguments. The
+learning-rate schedule is the Trainer's; a ``scheduler`` section is refused.
+
 A checkpoint directory holds the Trainer's files, the weights as
 ``save_pretrained`` writes them (``zcore.save_pretrained``: fp32 master
 weights, loadable with ``from_pretrained``) and zcore's sharded checkpoint
 (tag ``zcore``) with the optimizer states, from which training resumes
-exactly, at any world size.
+exactly at the same world size (zcore's checkpoint itself loads at any
+world size; the Trainer's data order and per-rank RNG states do not carry
+over to another).
+
+Differences from the Trainer's own loop: zcore steps at the end of the
+micro-batch that closes an accumulation, so ``on_pre_optimizer_step``
+callbacks run after the step; a step zcore skips (fp16 overflow) does not
+advance the schedule, as with Accelerate's scaler.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -59,7 +71,9 @@ from zcore.errors import ConfigError
 from zcore.initialize import initialize
 
 CHECKPOINT_TAG = "zcore"
+TESTED_TRANSFORMERS = "5.24.0"  # the Trainer methods overridden here are private
 _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
+log = logging.getLogger("zcore")
 
 
 class ZcoreTrainer(transformers.Trainer):
@@ -73,6 +87,17 @@ class ZcoreTrainer(transformers.Trainer):
                 "TrainingArguments) and its schedule from the TrainingArguments; do not pass optimizers=()"
             )
         super().__init__(*args, **kwargs)
+        if transformers.__version__ != TESTED_TRANSFORMERS:
+            log.warning(
+                "zcore: ZcoreTrainer is tested with transformers %s, this is %s: it overrides some of "
+                "the Trainer's private methods, which may have changed",
+                TESTED_TRANSFORMERS, transformers.__version__,
+            )
+        if self.args.n_gpu > 1:
+            raise ConfigError(
+                f"this process sees {self.args.n_gpu} GPUs and the Trainer would run them as DataParallel "
+                "in one process; launch one process per device instead (torchrun --nproc_per_node=N)"
+            )
         config = _config_from(self.args, _as_dict(zcore_config))
         self.engine: Engine = initialize(
             model=self.model, config=config, model_parameters=_decay_groups(self, config)
@@ -90,6 +115,12 @@ class ZcoreTrainer(transformers.Trainer):
         if self.optimizer is None:
             self.optimizer = _EngineOptimizer(self.engine)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        schedule = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(schedule, (_SkipAwareSchedule, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            self.lr_scheduler = schedule = _SkipAwareSchedule(schedule, self.engine)
+        return schedule
 
     # One micro-batch: the Trainer's loss, zcore's backward and step.
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -144,15 +175,34 @@ class ZcoreTrainer(transformers.Trainer):
             load_pretrained(self.engine, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, LATEST)):
+        if checkpoint is None:
             return
-        self.engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        if os.path.isfile(os.path.join(checkpoint, LATEST)):
+            self.engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
         load_pretrained(self.engine, self.state.best_model_checkpoint)
+
+
+class _SkipAwareSchedule:
+    """The Trainer's schedule, not advanced past an optimizer step that
+    zcore skipped (an fp16 overflow); everything else is the schedule's."""
+
+    def __init__(self, schedule: Any, engine: Engine) -> None:
+        self._schedule = schedule
+        self._engine = engine
+        self._skipped = engine.skipped_steps
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        skipped, self._skipped = self._skipped, self._engine.skipped_steps
+        if self._skipped == skipped:
+            self._schedule.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._schedule, name)
 
 
 class _EngineOptimizer(torch.optim.Optimizer):
@@ -202,26 +252,40 @@ def _as_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
 
 
 def _config_from(args: transformers.TrainingArguments, config: dict) -> Config:
-    """The zcore config: the user's, completed from the TrainingArguments."""
+    """The zcore config: the user's, completed from the TrainingArguments
+    (where it leaves a key out or sets it to "auto")."""
     if args.fp16:
         raise ConfigError(
             "TrainingArguments.fp16 would give Accelerate's gradient scaler, which never sees zcore's "
             "gradients; set fp16 in the zcore config instead ({'fp16': {'enabled': true}}: zcore's "
             "dynamic loss scaling) and leave TrainingArguments.fp16 false"
         )
+    if "scheduler" in config:
+        raise ConfigError(
+            "the zcore config has a scheduler section, but under the Trainer the learning-rate "
+            "schedule is the Trainer's (TrainingArguments.lr_scheduler_type, warmup_steps, ...); "
+            "remove the section"
+        )
     derived = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
     }
     for key, value in derived.items():
-        if key in config and config[key] != value:
+        if config.get(key, "auto") not in ("auto", value):
             raise ConfigError(
                 f"the zcore config's {key} is {config[key]} but the TrainingArguments give {value}; the "
                 "Trainer's data loader and loop follow the TrainingArguments: set it there (or drop it here)"
             )
         config[key] = value
-    config.pop("train_batch_size", None)  # follows from the two and the world size
-    config.setdefault("gradient_clipping", args.max_grad_norm)
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = args.max_grad_norm
+    from_args = {
+        "lr": args.learning_rate,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+    }
     if "optimizer" not in config:
         optim = str(getattr(args.optim, "value", args.optim))
         if optim not in _ADAMW:
@@ -229,15 +293,13 @@ def _config_from(args: transformers.TrainingArguments, config: dict) -> Config:
                 f"TrainingArguments.optim {optim!r}: zcore trains with its own optimizers; use one of "
                 f"{sorted(_ADAMW)} (an AdamW), or give the zcore config an optimizer section"
             )
-        config["optimizer"] = {
-            "type": "AdamW",
-            "params": {
-                "lr": args.learning_rate,
-                "betas": [args.adam_beta1, args.adam_beta2],
-                "eps": args.adam_epsilon,
-                "weight_decay": args.weight_decay,
-            },
-        }
+        config["optimizer"] = {"type": "AdamW", "params": from_args}
+    elif isinstance(config["optimizer"], dict) and isinstance(config["optimizer"].get("params"), dict):
+        params = config["optimizer"]["params"]
+        params.update({k: from_args[k] for k, v in params.items() if v == "auto" and k in from_args})
+    for section, given in (("bf16", args.bf16), ("fp16", False)):
+        if isinstance(config.get(section), dict) and config[section].get("enabled") == "auto":
+            config[section]["enabled"] = given
     if args.bf16:
         config.setdefault("bf16", {})
         config["bf16"].setdefault("enabled", True)

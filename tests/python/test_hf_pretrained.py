@@ -92,7 +92,7 @@ def save_and_reload(rank, world, directory, stage, offload, nvme, shard_size):
     return None if written is None else [p.name for p in written], weights
 
 
-@pytest.mark.parametrize("stage,offload,shard_size", [(3, None, 30_000), (3, "nvme", 10**9), (1, None, 30_000)])
+@pytest.mark.parametrize("stage,offload,shard_size", [(3, None, "30KB"), (3, "nvme", 10**9), (1, None, 30_000)])
 def test_a_directory_saved_from_an_engine_loads_with_from_pretrained(tmp_path, stage, offload, shard_size):
     (tmp_path / "nvme").mkdir()
     out = tmp_path / "saved"
@@ -104,7 +104,7 @@ def test_a_directory_saved_from_an_engine_loads_with_from_pretrained(tmp_path, s
     assert results[1][0] is None
     assert "config.json" in names
     assert not (out / "model-00009-of-00009.safetensors").exists()
-    if shard_size < 10**9:
+    if shard_size != 10**9:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
@@ -148,6 +148,79 @@ def test_missing_tensors_are_an_error_unless_not_strict(tmp_path):
     for key in after:
         expected = before[key] if key.startswith("transformer.h.1.") else state[key]
         assert torch.equal(after[key], expected), key
+
+
+def test_a_base_models_weights_load_into_the_model_with_a_head(tmp_path):
+    """transformers' rule: keys without the base_model_prefix ('transformer.')."""
+    base = transformers.GPT2Model(gpt2(seed=3).config)
+    base.save_pretrained(tmp_path / "base")
+    (missing, unexpected), message, _, after = run_ranks(load_expecting_failure, 2, tmp_path / "base", True,
+                                                          timeout=TIMEOUT)[0]
+    assert message is None and (missing, unexpected) == ([], [])
+    for key, value in base.state_dict().items():
+        assert torch.equal(after[f"transformer.{key}"], value), key
+
+
+def _safetensors_file(path, header, data=b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("index not json", "is not a safetensors index"),
+    ("index with a path", "safetensors file names in the same directory"),
+    ("unreadable dtype", "as F8_E4M3, a dtype zcore cannot read"),
+    ("header not an object", "has an unreadable header"),
+])
+def test_bad_files_are_refused_by_name(tmp_path, case, expected):
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    if case == "index not json":
+        (directory / "model.safetensors.index.json").write_text("{not json")
+    elif case == "index with a path":
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"transformer.wte.weight": "../model.safetensors"}}))
+    elif case == "unreadable dtype":
+        _safetensors_file(directory / "model.safetensors",
+                          {"transformer.wte.weight": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}},
+                          b"\0")
+    else:
+        _safetensors_file(directory / "model.safetensors", [1, 2])
+    kind, message, *_ = run_ranks(load_expecting_failure, 1, directory, True, timeout=TIMEOUT)[0]
+    assert kind in ("CheckpointError", "CheckpointCorruptError") and expected in message, message
+
+
+def save_fails_on_one_rank(rank, world, out, nvme):
+    path = nvme / f"rank{rank}"
+    path.mkdir()
+    engine, *_ = zcore.initialize(model=gpt2(seed=5), config=config_for(world, 3, "nvme", path))
+    zcore.save_pretrained(engine, out, max_shard_size="30KB")
+    first = engine.full_state_dict()
+    engine.backward(engine(batch(), labels=batch()).loss)
+    engine.step()
+    engine.full_state_dict()  # the step behind the forward is done
+    if rank == 1:  # this rank's optimizer states vanish: it cannot give its shards
+        (lost,) = [p for p in path.rglob("*") if p.is_file() and "-optimizer-" in p.name]
+        lost.unlink()
+    try:
+        zcore.save_pretrained(engine, out, max_shard_size="30KB")
+    except zcore.ZcoreError as exc:
+        return first, type(exc).__name__, str(exc)
+    return first, None, None
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_earlier_save(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    out = tmp_path / "saved"
+    results = run_ranks(save_fails_on_one_rank, 2, out, tmp_path / "nvme", timeout=TIMEOUT)
+    for rank, (_, kind, message) in enumerate(results):
+        assert kind is not None, f"rank {rank} saw no failure"
+        assert "rank 1" in message or rank == 1, message
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # nothing staged is left
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).state_dict()
+    first = results[0][0]
+    for key, value in first.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_not_a_model_directory_names_the_files_it_needs(tmp_path):

@@ -47,7 +47,7 @@ def arguments(output_dir, per_device, gas, **extra):
         output_dir=str(output_dir), per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
         gradient_accumulation_steps=gas, num_train_epochs=EPOCHS, learning_rate=5e-3, weight_decay=0.1,
         warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1,
-        eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, seed=0,
+        eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2, seed=0,
         train_sampling_strategy="sequential", report_to="none", use_cpu=True, disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, **extra,
     )
@@ -115,13 +115,14 @@ def test_trainer_trains_evaluates_saves_and_resumes_as_transformers_trainer(tmp_
     for key, value in ref_model.state_dict().items():
         assert (value - weights[key]).abs().max().item() < 5e-5, key
 
-    # Resumed from the step-4 checkpoint, steps 5-8 are the uninterrupted run's.
-    checkpoint = tmp_path / "run" / "checkpoint-4"
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 4
+    # Resumed from the step-2 checkpoint (inside the first epoch: the Trainer
+    # skips the batches already seen), steps 3-8 are the uninterrupted run's.
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
     resumed = run_ranks(zcore_run, WORLD, tmp_path / "resumed", stage, str(checkpoint), timeout=TIMEOUT)
     (resumed_losses, resumed_evals, _), resumed_final, resumed_weights = resumed[0]
-    after = {s: v for s, v in resumed_losses.items() if s > 4}  # the history before comes from the checkpoint
-    assert_close(after, {s: v for s, v in losses.items() if s > 4}, "training loss after resuming")
+    after = {s: v for s, v in resumed_losses.items() if s > 2}  # the history before comes from the checkpoint
+    assert_close(after, {s: v for s, v in losses.items() if s > 2}, "training loss after resuming")
     assert resumed_final == pytest.approx(final, rel=1e-6)
     for key, value in weights.items():
         assert torch.allclose(resumed_weights[key], value, rtol=1e-6, atol=1e-8), key
@@ -133,6 +134,8 @@ def refused(rank, world, kind):
 
     extra = {"fp16": True} if kind == "fp16" else {"optim": "sgd"} if kind == "optim" else {}
     config = {"train_micro_batch_size_per_gpu": 8} if kind == "batch" else {}
+    if kind == "scheduler":
+        config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
     try:
         ZcoreTrainer(model=model(), args=arguments("unused", MICRO, GAS, **extra),
                      train_dataset=dataset(SAMPLES, 1), eval_dataset=dataset(EVAL_SAMPLES, 2), zcore_config=config)
@@ -143,9 +146,36 @@ def refused(rank, world, kind):
 
 @pytest.mark.parametrize("kind,expected", [
     ("fp16", "set fp16 in the zcore config"),
+    ("scheduler", "the learning-rate schedule is the Trainer's"),
     ("optim", "TrainingArguments.optim 'sgd'"),
     ("batch", "train_micro_batch_size_per_gpu is 8 but the TrainingArguments give 2"),
 ])
 def test_settings_zcore_cannot_honour_are_refused_with_the_fix(kind, expected):
     message = run_ranks(refused, 1, kind, timeout=TIMEOUT)[0]
     assert message is not None and expected in message
+
+
+def built_from_auto(rank, world):
+    from zcore.trainer import ZcoreTrainer
+
+    config = {  # as DeepSpeed configs written for transformers say it
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
+    }
+    trainer = ZcoreTrainer(model=model(), args=arguments("unused", MICRO, GAS, bf16=True),
+                           train_dataset=dataset(SAMPLES, 1), eval_dataset=dataset(EVAL_SAMPLES, 2),
+                           zcore_config=config)
+    c = trainer.engine.config
+    groups = trainer.engine.optimizer.param_groups
+    return (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.gradient_clipping,
+            c.bf16.enabled, [(g["lr"], g["weight_decay"], tuple(g["betas"])) for g in groups])
+
+
+def test_auto_values_come_from_the_training_arguments():
+    micro, gas, clipping, bf16, groups = run_ranks(built_from_auto, 1, timeout=TIMEOUT)[0]
+    assert (micro, gas, clipping, bf16) == (MICRO, GAS, 1.0, True)
+    # transformers' split: decay on weights, none on biases and norms.
+    assert groups == [(5e-3, 0.1, (0.9, 0.999)), (5e-3, 0.0, (0.9, 0.999))]

@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import zcore
 from distributed import run_ranks
 from zcore.errors import ConfigError
 
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 TIMEOUT = 120
 SIGMAS = 6  # standard errors a statistic may stray (a chance of ~2e-9 for a normal estimate)
@@ -160,7 +160,8 @@ def drawn_per_rank(module):
 def zeros_a_childs_row(module):
     if isinstance(module, TwoLayers):
         # A parent reaching into a child that is, when this runs, either not
-        # materialised yet or sharded and released (a 0-element tensor).
+        # materialised yet or sharded and released (either way, zcore shows it
+        # a meta tensor of its full shape).
         nn.init.zeros_(module.embed.weight[5])
         module.offsets.zero_()
 
@@ -188,16 +189,16 @@ def test_a_parents_init_reaches_its_childs_weight():
 
 
 class UnsetBuffer(nn.Module):
-    def __init__(self):
+    def __init__(self, dtype):
         super().__init__()
         self.proj = nn.Linear(8, 8)
         self.scales = nn.Module()
-        self.scales.register_buffer("table", torch.arange(4.0))  # under torch.device("meta"): no values
+        self.scales.register_buffer("table", torch.arange(4, dtype=dtype))  # under torch.device("meta"): no values
 
 
-def unset_buffer(rank, world):
+def unset_buffer(rank, world, dtype):
     with torch.device("meta"):
-        model = UnsetBuffer()
+        model = UnsetBuffer(dtype)
     try:
         zcore.initialize(model=model, config=stage3_config(world), meta_init=zcore.MetaInit())
     except ConfigError as e:
@@ -205,7 +206,8 @@ def unset_buffer(rank, world):
     return None
 
 
-def test_a_meta_buffer_that_nothing_sets_is_refused():
-    for message in run_ranks(unset_buffer, 2, timeout=TIMEOUT):  # on every rank, none left waiting
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])  # an integer one cannot be marked unset
+def test_a_meta_buffer_that_nothing_sets_is_refused(dtype):
+    for message in run_ranks(unset_buffer, 2, dtype, timeout=TIMEOUT):  # on every rank, none left waiting
         assert message is not None and "'scales.table'" in message
         assert "init_fn" in message and "CPU" in message

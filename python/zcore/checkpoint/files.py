@@ -75,3 +75,15 @@ def shown(value: object, limit: int = 80) -> str:
     checkpoint are quoted in error messages, whatever their size."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def size_in_bytes(text: str) -> int:
+    """'5GB', '500MiB' or a plain number of bytes (transformers' and the CLI's sizes)."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number):].upper()
+    if unit not in _UNITS or not number.replace(".", "", 1).isdigit():
+        raise ValueError(f"{text!r} is not a size such as 5GB, 500MiB or 1000000")
+    return int(float(number) * _UNITS[unit])

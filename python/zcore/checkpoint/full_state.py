@@ -8,7 +8,7 @@ result plus one unit; states on NVMe are read a unit at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,19 @@ def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str
     return {key: values[name] for key, name in layout.keys.items()}
 
 
-def full_state_tensors(engine: Any, layout: EngineLayout, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def full_state_tensors(
+    engine: Any, layout: EngineLayout, dtype: torch.dtype, failures: Optional[list[BaseException]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(tensor name, whole value: floating point in ``dtype``) of every
     tensor in ``layout``, in ``tensor_order``'s order, on rank 0, each a
     copy of its own. Every rank must run it to the end (the gathers); the
-    others yield nothing."""
+    others yield nothing. With ``failures``, a shard this rank cannot read
+    (an NVMe error) is recorded there and zeros take its place in the
+    gathers, so that no rank is left waiting in one."""
     rank = engine.context.rank
     done = set()
-    for unit, shard in _shards(engine):
+    shards = _shards(engine) if failures is None else _shards_or_zeros(engine, failures)
+    for unit, shard in shards:
         # Offloaded shards (master, parameters) rest on the host; the
         # collective's backend (NCCL on a GPU) needs them on the device.
         full = _gather(shard.to(engine.context.device), unit.padded_numel, rank)
@@ -59,6 +64,22 @@ def _whole_slots(layout: EngineLayout, gathered: set[str]) -> list[str]:
 
 def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value.to("cpu", dtype if value.is_floating_point() else value.dtype, copy=True)
+
+
+def _shards_or_zeros(engine: Any, failures: list[BaseException]) -> Iterator[tuple[Any, torch.Tensor]]:
+    read: Optional[Iterator[tuple[Any, torch.Tensor]]] = _shards(engine)
+    trained = {id(u) for u in engine.optimizer.units} if engine.optimizer is not None else set()
+    for unit in _units(engine):
+        shard = None
+        if read is not None:
+            try:
+                _, shard = next(read)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller on every rank
+                failures.append(exc)
+                read = None
+        if shard is None:  # what the others gather: fp32 masters, frozen groups in their dtype
+            shard = torch.zeros(unit.shard_numel, dtype=torch.float32 if id(unit) in trained else unit.dtype)
+        yield unit, shard
 
 
 def _units(engine: Any) -> Iterator[Any]:

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -30,6 +30,15 @@ from zcore.swap import SwapManager
 from zcore.swapped_optimizer import SwappedMaster
 
 log = logging.getLogger("zcore")
+
+
+class RangeSource(Protocol):
+    """Where staging reads element ranges of saved tensors: a checkpoint's
+    SavedRanges, or zcore.checkpoint.pretrained's Hugging Face files."""
+
+    def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor: ...
+
+    def state_keys(self, name: str) -> list[str]: ...
 
 
 def read_meta(tag_dir: Path) -> schema.Meta:
@@ -240,11 +249,10 @@ def _read(
         stage_nvme(engine, layout, saved, staged)
 
 
-def stage_nvme(engine: Any, layout: EngineLayout, saved: Any, staged: Staged) -> None:
+def stage_nvme(engine: Any, layout: EngineLayout, saved: RangeSource, staged: Staged) -> None:
     """Values whose home is on NVMe go to new swap files, adopted at commit:
     optimizer sub-groups (with each unit's compute-dtype shard), and ZeRO-3
-    shards resting on NVMe, trained and frozen. ``saved`` reads ranges (a
-    SavedRanges, or zcore.checkpoint.pretrained's Hugging Face files)."""
+    shards resting on NVMe, trained and frozen."""
     optimizer, residency = engine.optimizer, engine.residency
     nvme_groups = {g.index for g in getattr(residency, "groups", []) if not g.in_memory}
     if nvme_groups:
@@ -265,7 +273,7 @@ def stage_nvme(engine: Any, layout: EngineLayout, saved: Any, staged: Staged) ->
         staged.parameter_swap.wait(group)
 
 
-def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges, staged: Staged) -> None:
+def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: RangeSource, staged: Staged) -> None:
     shards = optimizer.update.shards
 
     def put_shard(u: int, shard: torch.Tensor) -> None:
@@ -290,7 +298,7 @@ def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: SavedRanges
 
 
 def _stage_sub_groups(
-    master: SwappedMaster, layout: EngineLayout, saved: SavedRanges, staged: Staged, put_shard: Any
+    master: SwappedMaster, layout: EngineLayout, saved: RangeSource, staged: Staged, put_shard: Any
 ) -> SwapManager:
     """Without optimizer states to load, each sub-group keeps its moments."""
     slots = {id(slot.piece): slot for slot in layout.slots_of(TRAINED)}

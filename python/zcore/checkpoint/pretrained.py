@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -28,7 +30,7 @@ import torch
 
 from zcore import comm
 from zcore.checkpoint import durable
-from zcore.checkpoint.files import read_small
+from zcore.checkpoint.files import read_small, size_in_bytes
 from zcore.checkpoint.full_state import full_state_tensors, tensor_order
 from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
 from zcore.checkpoint.load import Staged, commit, stage_nvme
@@ -41,6 +43,7 @@ log = logging.getLogger("zcore")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_FILE_IN_DIRECTORY = re.compile(r"[A-Za-z0-9_.\-]+\.safetensors")  # what an index may name: no paths
 _MAX_INDEX_BYTES = 64 * 2**20
 
 
@@ -53,40 +56,75 @@ def save_pretrained(
     engine: Any,
     save_directory: Union[str, Path],
     dtype: torch.dtype = torch.float32,
-    max_shard_size: int = 5 * 2**30,
+    max_shard_size: Union[int, str] = 5 * 2**30,
 ) -> Optional[list[Path]]:
     """Writes a Hugging Face model directory from the engine; call it on every
     rank. Floating-point weights are written in ``dtype`` (fp32 by default:
-    the master weights). Returns the files written on rank 0, None elsewhere."""
+    the master weights), in files of at most ``max_shard_size`` (bytes, or
+    a size such as "5GB"). Returns the files written on rank 0, None elsewhere.
+
+    The files are written aside and take their names only once every rank
+    has done its part, so a save that fails (a full disk, a rank's NVMe
+    error) leaves the directory's earlier weights as they were."""
+    engine._refuse_if_broken()
     engine._finish_step()
+    shard_bytes = size_in_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     layout = engine_layout(engine)
-    order = tensor_order(engine, layout)
-    specs = [_spec(name, layout, dtype) for name in order]
-    files = plan_files(specs, max_shard_size)
+    files = plan_files([_spec(name, layout, dtype) for name in tensor_order(engine, layout)], shard_bytes)
     names = weight_file_names(len(files))
     out = Path(save_directory)
     rank0 = engine.context.rank == 0
-    failure: Optional[BaseException] = None
-    written: list[Path] = []
-    tensors = full_state_tensors(engine, layout, dtype)
+    failures: list[BaseException] = []
+    staging = out / f".zcore-saving-{_job_token()}" if rank0 else None
+    # Every rank runs every gather to the end, whatever fails: a rank that
+    # stopped early would leave the others waiting in a collective.
+    tensors = full_state_tensors(engine, layout, dtype, failures)
+    written: list[str] = []
     try:
-        if rank0:
-            out.mkdir(parents=True, exist_ok=True)
-            written = _write_weights(out, names, files, tensors)
-            written += _write_configs(engine.module, out, dtype)
-            _remove_stale_weights(out, {p.name for p in written})
+        if staging is not None:
+            staging.mkdir(parents=True)
+            written = _write_weights(staging, names, files, tensors) + _write_configs(engine.module, staging, dtype)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = exc
-    for _ in tensors:  # the other ranks' part in each gather (rank 0 has consumed them all)
+        failures.append(exc)
+    for _ in tensors:  # the rest of the gathers, where writing stopped early (the others' whole part)
         pass
-    comm.raise_if_any_failed(
-        failure if failure is None or isinstance(failure, ZcoreError) else CheckpointError(
-            f"saving a Hugging Face directory to {out} failed: {type(failure).__name__}: {str(failure)[:500]}"
-        ),
-        f"saving a Hugging Face directory to {out}",
-        CheckpointError,
-    )
-    return written if rank0 else None
+    failure = failures[0] if failures else None
+    try:
+        comm.raise_if_any_failed(
+            failure if failure is None or isinstance(failure, ZcoreError) else CheckpointError(
+                f"saving a Hugging Face directory to {out} failed: {type(failure).__name__}: {str(failure)[:500]}"
+            ),
+            f"saving a Hugging Face directory to {out}",
+            CheckpointError,
+        )
+    except BaseException:
+        if staging is not None:
+            durable.remove_tree(staging)
+        raise
+    if staging is None:
+        return None
+    return _publish(staging, out, written)
+
+
+def _job_token() -> str:
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
+def _publish(staging: Path, out: Path, written: list[str]) -> list[Path]:
+    """Moves the staged files into ``out``: the old index goes first and the
+    new one comes last, so a crash between leaves no index that names files
+    of two saves; then weight files of the earlier save that the new one
+    does not replace (another split) are removed."""
+    (out / INDEX).unlink(missing_ok=True)
+    for name in sorted(written, key=lambda n: n == INDEX):
+        os.replace(staging / name, out / name)
+    durable.fsync_dir(out)
+    durable.remove_tree(staging)
+    kept = set(written)
+    for path in out.iterdir():
+        if _WEIGHT_FILE.fullmatch(path.name) and path.name not in kept:
+            path.unlink()
+    return [out / name for name in written]
 
 
 def _spec(name: str, layout: EngineLayout, dtype: torch.dtype) -> TensorSpec:
@@ -94,7 +132,7 @@ def _spec(name: str, layout: EngineLayout, dtype: torch.dtype) -> TensorSpec:
     return TensorSpec(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape)
 
 
-def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], tensors: Any) -> list[Path]:
+def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], tensors: Any) -> list[str]:
     written = []
     for file_name, file_specs in zip(names, files):
         with TensorFileWriter(out / file_name, file_specs) as writer:
@@ -105,17 +143,17 @@ def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], t
                 writer.write(value)
                 del value  # before the next tensor is gathered
             writer.commit()
-        written.append(out / file_name)
+        written.append(file_name)
     if len(files) > 1:
         weight_map = {spec.name: n for n, file_specs in zip(names, files) for spec in file_specs}
         total = sum(spec.nbytes for file_specs in files for spec in file_specs)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         durable.write_bytes(out / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
-        written.append(out / INDEX)
+        written.append(INDEX)
     return written
 
 
-def _write_configs(module: torch.nn.Module, out: Path, dtype: torch.dtype) -> list[Path]:
+def _write_configs(module: torch.nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
     """The model's config as transformers writes it beside the weights (its
     class as the architecture, the weights' dtype), and its generation
     config; nothing for a model without a config."""
@@ -125,21 +163,13 @@ def _write_configs(module: torch.nn.Module, out: Path, dtype: torch.dtype) -> li
     config.architectures = [type(module).__name__]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(out)
-    written = [out / "config.json"]
+    written = ["config.json"]
     generation = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(out)
-        written.append(out / "generation_config.json")
+        written.append("generation_config.json")
     return written
-
-
-def _remove_stale_weights(out: Path, kept: set[str]) -> None:
-    """Weight files of an earlier save with another split would be read
-    with the new ones."""
-    for path in out.iterdir():
-        if (path.name == INDEX or _WEIGHT_FILE.fullmatch(path.name)) and path.name not in kept:
-            path.unlink()
 
 
 def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = True) -> tuple[list[str], list[str]]:
@@ -147,13 +177,14 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
     call it on every rank. Returns (missing, unexpected) tensor names, as
     ``load_state_dict`` does; with ``strict`` either is an error, and
     without it a tensor missing from the files keeps its current values."""
+    engine._refuse_if_broken()
     engine._finish_step()
     layout = engine_layout(engine)
     values = SlotValues(engine)
     staged, failure, result = None, None, ([], [])
     try:
         with _PretrainedFiles(Path(directory)) as files:
-            sources, result = _match(files, layout, Path(directory), strict)
+            sources, result = _match(files, layout, engine.module, Path(directory), strict)
             ranges = _Ranges(files, sources, _current_values(values, layout, set(result[0])))
             staged = Staged(None, layout)
             for slot in layout.slots:
@@ -181,8 +212,7 @@ def _current_values(values: SlotValues, layout: EngineLayout, missing: set[str])
     current: dict[str, list[tuple[int, torch.Tensor]]] = {}
     if not missing:
         return current
-    trained = [s for s in layout.slots_of(TRAINED)]
-    for slot, value, _ in values.trained(trained):
+    for slot, value, _ in values.trained(layout.slots_of(TRAINED)):
         if slot.name in missing:
             current.setdefault(slot.name, []).append((slot.start, value.clone()))
     for slot in layout.slots:
@@ -247,7 +277,7 @@ def _read_index(path: Path) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
     if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and _WEIGHT_FILE_OR_VARIANT.fullmatch(v) for k, v in weight_map.items()
+        isinstance(k, str) and isinstance(v, str) and _FILE_IN_DIRECTORY.fullmatch(v) for k, v in weight_map.items()
     ):
         raise CheckpointError(
             f"{path}: its weight_map must map tensor names to safetensors file names in the same directory"
@@ -255,25 +285,34 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-_WEIGHT_FILE_OR_VARIANT = re.compile(r"[A-Za-z0-9_.\-]+\.safetensors")
-
-
 def _match(
-    files: _PretrainedFiles, layout: EngineLayout, directory: Path, strict: bool
+    files: _PretrainedFiles, layout: EngineLayout, module: torch.nn.Module, directory: Path, strict: bool
 ) -> tuple[dict[str, str], tuple[list[str], list[str]]]:
-    """Which file key holds each of the model's tensors (a tied tensor under
-    any of its names), checked for shape; and (missing, unexpected)."""
+    """Which file key holds each of the model's tensors, checked for shape;
+    and (missing, unexpected). As transformers' from_pretrained: a tied
+    tensor under any of its names, keys with or without the model's
+    ``base_model_prefix`` (a base model's weights in a model with a head,
+    and back), and names the model class says to ignore."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+
+    def spellings(key: str) -> list[str]:
+        if not prefix:
+            return [key]
+        if key.startswith(prefix + "."):
+            return [key, key[len(prefix) + 1 :]]
+        return [key, f"{prefix}.{key}"]
+
     aliases: dict[str, list[str]] = {}
     for key, name in layout.keys.items():
-        aliases.setdefault(name, []).append(key)
+        aliases.setdefault(name, []).extend(spellings(key))
     sources = {}
     for name, keys in aliases.items():
         found = next((k for k in keys if k in files.file_of), None)
         if found is not None:
             sources[name] = found
-    known = set(layout.keys)
-    missing = [n for n in aliases if n not in sources]
-    unexpected = [k for k in files.file_of if k not in known]
+    known = {k for keys in aliases.values() for k in keys}
+    missing = [n for n in aliases if n not in sources and not _ignored(module, "missing", n)]
+    unexpected = [k for k in files.file_of if k not in known and not _ignored(module, "unexpected", k)]
     reshaped = [
         f"{key}: file {list(files.shape(key))}, model {list(layout.tensors[name].shape)}"
         for name, key in sources.items()
@@ -295,6 +334,12 @@ def _match(
         log.warning("zcore: %s: %d tensors missing from the files (%s), %d unexpected (%s)", directory,
                     len(missing), ", ".join(missing[:5]), len(unexpected), ", ".join(unexpected[:5]))
     return sources, (missing, unexpected)
+
+
+def _ignored(module: torch.nn.Module, kind: str, key: str) -> bool:
+    """transformers' _keys_to_ignore_on_load_missing / _unexpected patterns."""
+    patterns = getattr(module, f"_keys_to_ignore_on_load_{kind}", None) or []
+    return any(re.search(p, key) for p in patterns)
 
 
 class _Ranges:

@@ -30,7 +30,7 @@ from zcore.aio import AioEngine
 from zcore.checkpoint import durable
 from zcore._staging import page_placed
 from zcore.checkpoint.files import open_regular
-from zcore.errors import CheckpointCorruptError
+from zcore.errors import CheckpointCorruptError, CheckpointError
 
 _CODES = {
     torch.float64: "F64",
@@ -233,9 +233,18 @@ class TensorFileReader:
             header = json.loads(raw)
             entries = {}
             for name, value in header.items():
-                if name != "__metadata__":
-                    entries[name] = _entry(value, 8 + length, size)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                if name == "__metadata__":
+                    continue
+                code = value.get("dtype") if isinstance(value, dict) else None
+                if isinstance(code, str) and code not in _DTYPES:
+                    raise CheckpointError(
+                        f"{self.path} holds tensor {name!r} as {code}, a dtype zcore cannot read "
+                        f"(it reads {', '.join(sorted(_DTYPES))}); convert the file's tensors first"
+                    )
+                entries[name] = _entry(value, 8 + length, size)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
             raise self._corrupt(f"has an unreadable header ({str(exc)[:200]})") from None
         return entries
 
