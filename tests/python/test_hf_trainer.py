@@ -43,14 +43,15 @@ def dataset(n, seed):
 
 
 def arguments(output_dir, per_device, gas, **extra):
-    return transformers.TrainingArguments(
+    settings = dict(
         output_dir=str(output_dir), per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
         gradient_accumulation_steps=gas, num_train_epochs=EPOCHS, learning_rate=5e-3, weight_decay=0.1,
         warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1,
         eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2, seed=0,
         train_sampling_strategy="sequential", report_to="none", use_cpu=True, disable_tqdm=True,
-        remove_unused_columns=False, dataloader_num_workers=0, **extra,
+        remove_unused_columns=False, dataloader_num_workers=0,
     )
+    return transformers.TrainingArguments(**{**settings, **extra})
 
 
 def history(state):
@@ -179,3 +180,22 @@ def test_auto_values_come_from_the_training_arguments():
     assert (micro, gas, clipping, bf16) == (MICRO, GAS, 1.0, True)
     # transformers' split: decay on weights, none on biases and norms.
     assert groups == [(5e-3, 0.1, (0.9, 0.999)), (5e-3, 0.0, (0.9, 0.999))]
+
+
+def skipped_fp16_steps(rank, world):
+    from zcore.trainer import ZcoreTrainer
+
+    # A loss scale of 2^22 overflows fp16 gradients until it has come down.
+    config = {"fp16": {"enabled": True, "initial_scale_power": 22, "hysteresis": 1},
+              "zero_optimization": {"stage": 2}}
+    args = arguments("unused", MICRO, 1, max_steps=8, eval_strategy="no", save_strategy="no")
+    trainer = ZcoreTrainer(model=model(), args=args, train_dataset=dataset(SAMPLES, 1), zcore_config=config)
+    trainer.train()
+    return trainer.state.global_step, trainer.engine.skipped_steps, trainer.lr_scheduler.last_epoch
+
+
+def test_a_step_zcore_skips_does_not_advance_the_schedule():
+    """As the Trainer does with Accelerate's gradient scaler."""
+    steps, skipped, scheduled = run_ranks(skipped_fp16_steps, 1, timeout=TIMEOUT)[0]
+    assert steps == 8 and 0 < skipped < steps
+    assert scheduled == steps - skipped
