@@ -56,6 +56,8 @@ def variants(path: str) -> list[tuple]:
 
 def swap_traffic(engine) -> dict:
     """Bytes that went through each swap file of this rank."""
+    # The last step may still be writing behind (zcore.background_step).
+    engine.optimizer.finish_step()
     out = {}
     store = engine.residency._store if engine.zero_stage == 3 else None
     if store is not None and store._swap is not None:
