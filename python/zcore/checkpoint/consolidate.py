@@ -10,21 +10,19 @@ maximum size with a ``model.safetensors.index.json`` when there are several.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from zcore.checkpoint import durable
 from zcore.checkpoint.layout import tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec, plan_files
+from zcore.checkpoint.weight_files import INDEX, weight_file_names, write_index
 from zcore.errors import CheckpointError
 
-INDEX = "model.safetensors.index.json"
 
 
 def consolidate(
@@ -51,11 +49,7 @@ def consolidate(
         for key, name in keys.items()
     ]
     files = plan_files(specs, max_shard_bytes)
-    names = (
-        ["model.safetensors"]
-        if len(files) == 1
-        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    )
+    names = weight_file_names(len(files))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = sum(s.nbytes for s in specs)
@@ -74,8 +68,6 @@ def consolidate(
                 writer.commit()
             written.append(out / name)
     if len(files) > 1:
-        weight_map = {spec.name: name for name, file_specs in zip(names, files) for spec in file_specs}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        durable.write_bytes(out / INDEX, json.dumps(index, indent=1).encode())
+        write_index(out, names, files)
         written.append(out / INDEX)
     return written

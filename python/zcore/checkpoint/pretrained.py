@@ -36,20 +36,13 @@ from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
 from zcore.checkpoint.load import Staged, commit, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileReader, TensorFileWriter, TensorSpec, plan_files
+from zcore.checkpoint.weight_files import INDEX, WEIGHT_FILE, WEIGHTS, weight_file_names, write_index
 from zcore.errors import CheckpointError, CheckpointMismatchError, ZcoreError
 
 log = logging.getLogger("zcore")
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _FILE_IN_DIRECTORY = re.compile(r"[A-Za-z0-9_.\-]+\.safetensors")  # what an index may name: no paths
 _MAX_INDEX_BYTES = 64 * 2**20
-
-
-def weight_file_names(count: int) -> list[str]:
-    """transformers' names for a model's weight files."""
-    return [WEIGHTS] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def save_pretrained(
@@ -122,7 +115,7 @@ def _publish(staging: Path, out: Path, written: list[str]) -> list[Path]:
     durable.remove_tree(staging)
     kept = set(written)
     for path in out.iterdir():
-        if _WEIGHT_FILE.fullmatch(path.name) and path.name not in kept:
+        if WEIGHT_FILE.fullmatch(path.name) and path.name not in kept:
             path.unlink()
     return [out / name for name in written]
 
@@ -145,10 +138,7 @@ def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], t
             writer.commit()
         written.append(file_name)
     if len(files) > 1:
-        weight_map = {spec.name: n for n, file_specs in zip(names, files) for spec in file_specs}
-        total = sum(spec.nbytes for file_specs in files for spec in file_specs)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        durable.write_bytes(out / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        write_index(out, names, files)
         written.append(INDEX)
     return written
 
