@@ -20,7 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Optional
 
+from zcore import tracing
 from zcore.errors import InvalidStateError
+from zcore.tracing import Wait
 
 
 class StepState(enum.Enum):
@@ -54,7 +56,7 @@ class BackgroundStep:
         (at once when no step runs). It raises nothing, so that a forward's
         plan is never cut short: the forward checks ``failed`` once done."""
         if self.state is StepState.RUNNING:
-            with self._cond:
+            with self._cond, tracing.waiting(Wait.STEP):
                 self._cond.wait_for(lambda: unit in self._done or self._ended)
 
     @property
@@ -67,7 +69,8 @@ class BackgroundStep:
         what the worker raised. A FAILED step raises it again."""
         if self.state is StepState.RUNNING:
             assert self._thread is not None
-            self._thread.join()
+            with tracing.waiting(Wait.STEP):
+                self._thread.join()
             self._thread = None
             self.state = StepState.FAILED if self.failure is not None else StepState.IDLE
             if self.failure is not None:

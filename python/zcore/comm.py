@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from zcore import errors
+from zcore import errors, tracing
+from zcore.tracing import Wait
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -85,12 +86,25 @@ class _AllGatherBySendRecv:
         self._works = []
 
 
+class _Collective:
+    """A collective in flight: waiting for it is a timed comm wait."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        with tracing.waiting(Wait.COMM):
+            self._work.wait()
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
     """``output`` (world x shard elements) receives every rank's ``shard`` in
     rank order. ``shard`` must stay unchanged until the gather is waited for."""
-    if dist.get_backend() != "gloo":
-        return _all_gather(output, shard, async_op=async_op)
-    work = _AllGatherBySendRecv(output, shard)
+    with tracing.span("all_gather"):
+        if dist.get_backend() != "gloo":
+            work = _Collective(_all_gather(output, shard, async_op=True))
+        else:
+            work = _Collective(_AllGatherBySendRecv(output, shard))
     if async_op:
         return work
     work.wait()
@@ -122,17 +136,24 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor):
     """Starts summing ``full`` over ranks into this rank's ``shard`` (slice
     ``rank`` of ``full``); returns a handle whose ``wait()`` completes it.
     ``full`` may be overwritten."""
-    if dist.get_backend() == "gloo":
-        return _ReduceScatterByAllToAll(shard, full)
-    return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=True)
+    with tracing.span("reduce_scatter"):
+        if dist.get_backend() == "gloo":
+            return _Collective(_ReduceScatterByAllToAll(shard, full))
+        return _Collective(_reduce_scatter(shard, full, op=dist.ReduceOp.SUM, async_op=True))
 
 
 def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+    with tracing.span("all_reduce"):
+        work = _Collective(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def all_reduce_max(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    with tracing.waiting(Wait.COMM):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

@@ -297,6 +297,43 @@ class CheckpointConfig(_Section):
         return v
 
 
+class TensorBoardConfig(_Section):
+    """DeepSpeed's "tensorboard" section: per-step metrics as TensorBoard
+    events in ``output_path/job_name`` (rank 0; ``tensorboard`` installed)."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CSVMonitorConfig(TensorBoardConfig):
+    """DeepSpeed's "csv_monitor" section: one CSV file per metric in
+    ``output_path/job_name`` (rank 0), the files ``zcore plot`` reads."""
+
+
+class WandbConfig(_Section):
+    """DeepSpeed's "wandb" section (rank 0; ``wandb`` installed). Offline
+    runs follow wandb's own ``WANDB_MODE=offline``."""
+
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+class FlopsProfilerConfig(_Section):
+    """DeepSpeed's "flops_profiler" section: at step ``profile_step``, each
+    module's parameters, FLOPs and latency (zcore.flops_profiler)."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = Field(0.0, ge=0)
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: Optional[str] = None
+
+
 class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
@@ -349,6 +386,11 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
     steps_per_print: int = Field(10, gt=0)
+    wall_clock_breakdown: bool = False
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
+    wandb: WandbConfig = WandbConfig()
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     zero_allow_untested_optimizer: bool = False
 
     @field_validator("aio", mode="before")
@@ -361,6 +403,13 @@ class Config(_Section):
         if self.bf16.enabled and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
         return self
+
+    @property
+    def records_step_metrics(self) -> bool:
+        """Whether the engine measures each step (zcore.step_metrics)."""
+        return (
+            self.wall_clock_breakdown or self.tensorboard.enabled or self.csv_monitor.enabled or self.wandb.enabled
+        )
 
     def batch_sizes(self, world_size: int) -> tuple[int, int, int]:
         """(train_batch_size, micro_batch_per_rank, gradient_accumulation_steps).

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
@@ -22,10 +24,14 @@ from zcore.config import Config
 from zcore.errors import DiskIOError, InvalidStateError
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
+from zcore.monitors import close_all, open_monitors
 from zcore.policies import Policies
-from zcore.sharded_optimizer import Publisher, ShardedOptimizer
+from zcore.sharded_optimizer import Publisher, ShardedOptimizer, StepResult
+from zcore.step_metrics import Phase, StepMetrics, StepRecord
 
 log = logging.getLogger("zcore")
+# wall_clock_breakdown's lines: printed even where the application set up no logging.
+step_log = logging.getLogger("zcore.steps")
 
 
 class ParamResidency(Protocol):
@@ -135,6 +141,20 @@ class Engine:
         # An optimizer step that failed part-way (a disk full during a
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
+        # Per-step metrics (zcore.step_metrics), only when a monitor or
+        # wall_clock_breakdown asks for them.
+        self.metrics: Optional[StepMetrics] = None
+        self.monitors: list = []
+        if config.records_step_metrics:
+            self.metrics = StepMetrics(module, context.world_size)
+            self.monitors = open_monitors(config, context.rank)
+            if optimizer is not None:
+                optimizer.measures_norm = True
+            if config.wall_clock_breakdown and not step_log.hasHandlers():
+                handler = logging.StreamHandler(sys.stderr)
+                handler.setFormatter(logging.Formatter("[zcore] %(message)s"))
+                step_log.addHandler(handler)
+                step_log.setLevel(logging.INFO)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names the engine lacks: as DeepSpeed's engine does,
@@ -154,8 +174,11 @@ class Engine:
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_broken()
+        if self.metrics is not None:
+            self.metrics.forward_inputs(args, kwargs)
         try:
-            out = self.residency.forward(self.module, args, kwargs)
+            with self._phase(Phase.FORWARD):
+                out = self.residency.forward(self.module, args, kwargs)
         except DiskIOError as exc:
             self._broken = f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
             raise
@@ -197,6 +220,14 @@ class Engine:
             )
         self._refuse_if_broken()
         optimizer = self._trainer("backward")
+        if self.metrics is not None:
+            self.metrics.loss(loss)
+        with self._phase(Phase.BACKWARD):
+            self._backward(optimizer, loss, scale_wrt_gas)
+        self.micro_step_phase = MicroStep.AWAITING_STEP
+        return loss
+
+    def _backward(self, optimizer: ShardedOptimizer, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
         self._finish_step()
         reducer = optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
@@ -210,8 +241,6 @@ class Engine:
             raise
         self.residency.end_step()
         reducer.end_backward()
-        self.micro_step_phase = MicroStep.AWAITING_STEP
-        return loss
 
     def step(self) -> None:
         """Steps the optimizer at an accumulation boundary; counts the micro-step."""
@@ -224,12 +253,17 @@ class Engine:
                 "(every micro-batch: forward, backward, step)"
             )
         if self.is_gradient_accumulation_boundary():
-            self._finish_step()
-            try:
-                result = optimizer.step()
-            except BaseException as exc:
-                self._broken = f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
-                raise
+            groups = optimizer.param_groups
+            lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it
+            with self._phase(Phase.STEP):
+                self._finish_step()
+                try:
+                    result = optimizer.step()
+                except BaseException as exc:
+                    self._broken = (
+                        f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+                    )
+                    raise
             self.last_grad_norm = result.grad_norm
             if result.skipped:
                 self.skipped_steps += 1
@@ -243,6 +277,8 @@ class Engine:
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
             self.accumulated_micro_steps = 0
+            if self.metrics is not None:
+                self._record_step(optimizer, result, lr)
             if self.context.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
                 log.info(
                     "step %d: lr %s, loss scale %g, skipped %d",
@@ -255,6 +291,35 @@ class Engine:
             self.accumulated_micro_steps += 1
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+
+    def _phase(self, phase: Phase) -> Any:
+        return self.metrics.phase(phase) if self.metrics is not None else nullcontext()
+
+    def _record_step(self, optimizer: ShardedOptimizer, result: StepResult, lr: Optional[float]) -> None:
+        assert self.metrics is not None
+        record = self.metrics.end_step(
+            global_step=self.global_steps,
+            global_samples=self.global_samples,
+            batch_size=self.batch.train_batch_size,
+            lr=lr,
+            grad_norm=result.grad_norm,
+            loss_scale=optimizer.loss_scale,
+            skipped=result.skipped,
+            skipped_steps=self.skipped_steps,
+            memory=measure_memory(self.module, optimizer, self.policies, self.residency, self.context.device),
+        )
+        events = record.events()
+        for monitor in self.monitors:
+            monitor.write(events)
+        if self.config.wall_clock_breakdown and self.context.rank == 0:
+            if self.global_steps % self.config.steps_per_print == 0:
+                step_log.info("step %d: %s", self.global_steps, record.breakdown())
+
+    @property
+    def last_step_metrics(self) -> Optional[StepRecord]:
+        """The last optimizer step's figures (zcore.step_metrics), when the
+        config enables a monitor or wall_clock_breakdown; else None."""
+        return None if self.metrics is None else self.metrics.last
 
     def _trainer(self, doing: str) -> ShardedOptimizer:
         if self.optimizer is None:
@@ -331,8 +396,12 @@ class Engine:
             try:
                 self.residency.close()
             finally:
-                if self.optimizer is not None:
-                    self.optimizer.close()
+                try:
+                    if self.optimizer is not None:
+                        self.optimizer.close()
+                finally:
+                    close_all(self.monitors)
+                    self.monitors = []
 
     # Checkpoints (zcore.checkpoint).
     def save_checkpoint(

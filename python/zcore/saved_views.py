@@ -39,7 +39,7 @@ class _SavedView(NamedTuple):
     stride: tuple[int, ...]
 
 
-class _UserPacked(NamedTuple):
+class UserPacked(NamedTuple):
     """What the user's pack hook returned, with the unpack that reverses it."""
 
     packed: Any
@@ -85,10 +85,10 @@ class SavedViews:
         if self._outer is None:
             return t
         pack, unpack = self._outer
-        return _UserPacked(pack(t), unpack)
+        return UserPacked(pack(t), unpack)
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _UserPacked):
+        if isinstance(saved, UserPacked):
             return saved.unpack(saved.packed)
         if not isinstance(saved, _SavedView):
             return saved

@@ -28,10 +28,11 @@ from typing import Callable, Optional
 
 import torch
 
-from zcore import _C
+from zcore import _C, tracing
 from zcore.errors import InvalidStateError
 from zcore.sharded_group import ShardedGroup
 from zcore.swap import SwapManager
+from zcore.tracing import Wait
 
 
 class ShardStore:
@@ -121,7 +122,11 @@ class ShardStore:
             host = self._reading.pop(group)
             device = self._groups[group].device
             # The pool buffer goes back once copied: a synchronous copy.
-            self._staged[group] = host if device.type == "cpu" else host.to(device)
+            if device.type == "cpu":
+                self._staged[group] = host
+            else:
+                with tracing.waiting(Wait.COPY):
+                    self._staged[group] = host.to(device)
             return
         if group not in self._copied:
             raise InvalidStateError(f"the plan waits for group {group}'s shard, which is not being fetched")

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from zcore import comm
+from zcore import comm, tracing
 from zcore.background_step import BackgroundStep, StepState
 from zcore.grad_reduction import GradientReducer
 from zcore.optim import CPUAdam
@@ -252,6 +252,7 @@ class ShardedOptimizer:
         self.update = update
         self.precision = precision
         self.gradient_clipping = gradient_clipping
+        self.measures_norm = False  # every step's gradient norm, for the step metrics
         self.world_size = world_size
         self.publisher = publisher
         self.units = master.units
@@ -276,9 +277,10 @@ class ShardedOptimizer:
         self.update.attach_grads(self.reducer.used_params())
         inv_scale = 1.0 / scaler.scale
         norm = None
-        if self.gradient_clipping > 0 or scaler.checks_overflow:
+        acts_on_norm = self.gradient_clipping > 0 or scaler.checks_overflow
+        if acts_on_norm or self.measures_norm:
             norm = self._global_norm(inv_scale)
-            if not math.isfinite(norm):
+            if acts_on_norm and not math.isfinite(norm):
                 scaler.update(overflow=True)
                 self._end_step()
                 return StepResult(skipped=True, grad_norm=norm)
@@ -287,7 +289,8 @@ class ShardedOptimizer:
             clip = self.gradient_clipping / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
             if clip < 1.0:
                 coefficient *= clip
-        self.update.apply(coefficient)
+        with tracing.span("optimizer_step"):
+            self.update.apply(coefficient)
         scaler.update(overflow=False)
         background = self._background()
         if background is not None and background.state is StepState.RUNNING:

@@ -64,7 +64,7 @@ from typing import Callable
 
 import torch
 
-from zcore import _C
+from zcore import _C, tracing
 from zcore._staging import (
     BackendName,
     Staging,
@@ -77,6 +77,7 @@ from zcore._staging import (
 )
 from zcore.errors import InvalidArgumentError, ZcoreError
 from zcore.host_memory import LockMode
+from zcore.tracing import Wait
 
 log = logging.getLogger("zcore")
 
@@ -223,9 +224,11 @@ class SwapManager:
         address = tensor.data_ptr()
         if tensor.device.type == "cuda":
             staging = Staging(self._pool, size)
-            staging.bytes.copy_(as_bytes(tensor))
+            with tracing.waiting(Wait.COPY):
+                staging.bytes.copy_(as_bytes(tensor))
             address = staging.address
-        self._native.swap_out(key, address, size)
+        with tracing.span("nvme_write"):
+            self._native.swap_out(key, address, size)
         self._layouts[key] = _Layout(tensor.shape, tensor.dtype, tensor.device)
         self._in_flight[key] = _InFlight(tensor, staging, None, writing=True)
         self._failed.pop(key, None)
@@ -253,11 +256,13 @@ class SwapManager:
             )
         size = nbytes(out)
         if out.device.type != "cuda":
-            self._native.swap_in(key, out.data_ptr(), size)
+            with tracing.span("nvme_read"):
+                self._native.swap_in(key, out.data_ptr(), size)
             self._in_flight[key] = _InFlight(out, None, None, writing=False)
             return out
         staging = Staging(self._pool, size)
-        self._native.swap_in(key, staging.address, size)
+        with tracing.span("nvme_read"):
+            self._native.swap_in(key, staging.address, size)
         target = out
 
         def to_device() -> None:
@@ -279,7 +284,8 @@ class SwapManager:
         """
         flight = self._in_flight.pop(key, None)
         try:
-            self._native.wait(key)
+            with tracing.waiting(Wait.NVME):
+                self._native.wait(key)
         except ZcoreError as exc:
             if flight is not None and flight.writing:
                 # The native manager dropped the key: its extent holds partial bytes.
@@ -287,7 +293,8 @@ class SwapManager:
                 self._failed[key] = _FailedSwapOut(type(exc), str(exc), dict(exc.details))
             raise
         if flight is not None and flight.finish is not None:
-            flight.finish()
+            with tracing.waiting(Wait.COPY):
+                flight.finish()
 
     def wait_all(self) -> None:
         """Waits for every key; raises the first failure after all finished."""

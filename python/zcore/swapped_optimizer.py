@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from zcore import tracing
 from zcore.background_step import BackgroundStep
 from zcore.errors import ConfigError, InvalidStateError
 from zcore.grad_reduction import GradientReducer
@@ -326,7 +327,8 @@ class SwappedAdamUpdate(TorchUpdate):
         # Driven to its end (never zip()ped), so that the last sub-group is written back.
         for key, states in stream:
             sub = subs[key]
-            self._step_sub_group(sub, states.view(STATES, sub.numel), steps, configs, coefficient, outs)
+            with tracing.span("optimizer_sub_group"):
+                self._step_sub_group(sub, states.view(STATES, sub.numel), steps, configs, coefficient, outs)
             for u in sub.finishes:
                 self._grads.pop(u, None)
                 out = outs.pop(u)

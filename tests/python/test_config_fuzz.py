@@ -271,7 +271,8 @@ SCHEMA = Section({
     "steps_per_print": integer(1),
     "zero_allow_untested_optimizer": boolean,
     **{k: deepspeed_default(False) for k in (
-        "prescale_gradients", "sparse_gradients", "wall_clock_breakdown", "dump_state", "memory_breakdown")},
+        "prescale_gradients", "sparse_gradients", "dump_state", "memory_breakdown")},
+    "wall_clock_breakdown": boolean,
     "gradient_predivide_factor": either(deepspeed_default(1.0), deepspeed_default(1)),
 })
 
