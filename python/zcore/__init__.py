@@ -31,6 +31,7 @@ from zcore.errors import (
     ShortReadError,
     ZcoreError,
 )
+from zcore.estimate import estimate_memory, recommend_config
 from zcore.gathered_parameters import GatheredParameters, register_external_parameter
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
@@ -73,8 +74,10 @@ __all__ = [
     "build_info",
     "cuda_available",
     "cuda_unavailable_reason",
+    "estimate_memory",
     "initialize",
     "load_pretrained",
+    "recommend_config",
     "register_external_parameter",
     "save_pretrained",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from zcore import checkpoint
 from zcore.comm import DistributedContext
 from zcore.config import Config
 from zcore.errors import DiskIOError, InvalidStateError
+from zcore.flops_profiler import FlopsProfiler, FlopsReport, ProfilerState
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
 from zcore.monitors import close_all, open_monitors
@@ -141,6 +143,11 @@ class Engine:
         # An optimizer step that failed part-way (a disk full during a
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
+        # DeepSpeed's flops profiler, at one step (zcore.flops_profiler).
+        self.flops_profiler: Optional[FlopsProfiler] = None
+        self.flops_report: Optional[FlopsReport] = None
+        if config.flops_profiler.enabled:
+            self.flops_profiler = FlopsProfiler(module, config.flops_profiler, context.rank, context.world_size)
         # Per-step metrics (zcore.step_metrics), only when a monitor or
         # wall_clock_breakdown asks for them.
         self.metrics: Optional[StepMetrics] = None
@@ -174,6 +181,9 @@ class Engine:
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_broken()
+        profiler = self.flops_profiler
+        if profiler is not None and profiler.state is ProfilerState.WAITING and profiler.profiles(self.global_steps):
+            profiler.start()
         if self.metrics is not None:
             self.metrics.forward_inputs(args, kwargs)
         try:
@@ -255,6 +265,8 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             groups = optimizer.param_groups
             lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it
+            profiling = self.flops_profiler is not None and self.flops_profiler.state is ProfilerState.PROFILING
+            started = time.perf_counter()
             with self._phase(Phase.STEP):
                 self._finish_step()
                 try:
@@ -264,6 +276,9 @@ class Engine:
                         f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
                     )
                     raise
+                if profiling:
+                    self._finish_step()  # the profiled step's latency is all of it, not its launch
+            step_seconds = time.perf_counter() - started
             self.last_grad_norm = result.grad_norm
             if result.skipped:
                 self.skipped_steps += 1
@@ -279,6 +294,9 @@ class Engine:
             self.accumulated_micro_steps = 0
             if self.metrics is not None:
                 self._record_step(optimizer, result, lr)
+            if profiling:
+                assert self.flops_profiler is not None
+                self.flops_report = self.flops_profiler.stop(step_seconds=step_seconds)
             if self.context.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
                 log.info(
                     "step %d: lr %s, loss scale %g, skipped %d",
@@ -400,6 +418,8 @@ class Engine:
                     if self.optimizer is not None:
                         self.optimizer.close()
                 finally:
+                    if self.flops_profiler is not None:
+                        self.flops_profiler.close()
                     close_all(self.monitors)
                     self.monitors = []
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from zcore import comm, gathered_parameters, hooks
+from zcore import _C, comm, gathered_parameters, hooks
 from zcore.background_step import BackgroundStep
 from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
@@ -33,6 +33,7 @@ from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.policies import OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
+from zcore.progress import progress_bar
 from zcore.optim import CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
 from zcore.sharded_parameter import mark_sharded, refuse_empty_state_dicts
@@ -50,6 +51,8 @@ from zcore.sharded_optimizer import (
 )
 
 from zcore.swapped_optimizer import (
+    FP32_BYTES,
+    STATES,
     SwappedAdamUpdate,
     SwappedMaster,
     host_bytes_available,
@@ -132,8 +135,11 @@ def initialize(
         groups = collect_param_groups(model, optimizer, model_parameters)
         units = layouts = _pack(groups, cfg, policies.stage, context.device)
         master = _master(units, offload, context)
-        for u, unit in enumerate(units):
-            master.take(u, unit.local_shard)
+        state_bytes = _optimizer_bytes_on_nvme(master, units)
+        with progress_bar("writing optimizer states to NVMe", sum(state_bytes)) as bar:
+            for u, unit in enumerate(units):
+                master.take(u, unit.local_shard)
+                bar.update(state_bytes[u])
         master.finish()
     _cast_model(model, layouts, precision)
 
@@ -343,21 +349,39 @@ def _fill(
     module's full parameters and one sub-group of optimizer states beyond
     the shards that stay in memory."""
     unit_of = {g.index: u for u, g in enumerate(units)}
+    state_bytes = _optimizer_bytes_on_nvme(master, units)
+    shard_bytes = {
+        g.index: g.shard_numel * g.dtype.itemsize for g in groups if fetcher.shard_tier(g.index) == _C.ShardTier.NVME
+    }
+    written = {"parameters": sum(shard_bytes.values()), "optimizer states": sum(state_bytes)}
+    bar = progress_bar(
+        f"writing {' and '.join(what for what, size in written.items() if size)} to NVMe", sum(written.values())
+    )
 
     def place(group: ShardedGroup, values: torch.Tensor) -> None:
         u = unit_of.get(group.index)
         if master is not None and u is not None:
             master.take(u, values)
         fetcher.place_shard(group, values)
+        bar.update((state_bytes[u] if u is not None else 0) + shard_bytes.get(group.index, 0))
 
     synchronise = context.world_size > 1
-    if meta_init is None:
-        fill_groups(plan, groups, synchronise, place)
-    else:
-        with meta_init.materialising(plan.model, context.device, synchronise) as materialise:
-            fill_groups(plan, groups, synchronise, place, materialise)
+    with bar:
+        if meta_init is None:
+            fill_groups(plan, groups, synchronise, place)
+        else:
+            with meta_init.materialising(plan.model, context.device, synchronise) as materialise:
+                fill_groups(plan, groups, synchronise, place, materialise)
     if master is not None:
         master.finish()
+
+
+def _optimizer_bytes_on_nvme(master: Optional[Union[MasterShards, SwappedMaster]], units: Sequence[Unit]) -> list[int]:
+    """What start-up writes to NVMe for each unit's optimizer states: none
+    unless they live there (zcore.swapped_optimizer)."""
+    if not isinstance(master, SwappedMaster):
+        return [0] * len(units)
+    return [STATES * FP32_BYTES * sum(piece.numel for piece in unit.pieces) for unit in units]
 
 
 def _master(units: list[Unit], offload: OffloadPolicy, context: comm.DistributedContext) -> Union[MasterShards, SwappedMaster]:

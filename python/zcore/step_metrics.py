@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from zcore import tracing
+from zcore.flops_profiler import flop_counter
 from zcore.memory_report import CATEGORIES, DEVICE, HOST, TIERS, MemoryReport
 from zcore.saved_activations import SavedActivations
 from zcore.tracing import Wait
@@ -205,7 +205,7 @@ class StepMetrics:
         if phase is Phase.STEP or self._flops_per_forward is not None:
             yield
             return
-        counter = FlopCounterMode(display=False)  # entering one again would clear its counts
+        counter = flop_counter()  # entering one again would clear its counts
         try:
             with counter:
                 yield

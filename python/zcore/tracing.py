@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import ContextManager, Protocol
 
-import torch
+from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
 
@@ -41,7 +41,10 @@ _thread = threading.local()  # .clock: the WaitClock measuring on this thread
 
 def span(name: str) -> ContextManager[object]:
     """A ``zcore::<name>`` range while a profiler runs; nothing otherwise."""
-    if torch.autograd._profiler_enabled():
+    # torch's process-wide flag: torch.autograd._profiler_enabled() is per
+    # thread, false on the optimizer step's worker thread and, under
+    # profile_all_threads (which records that thread too), on every thread.
+    if autograd_profiler._is_profiler_enabled:
         return record_function(f"zcore::{name}")
     return nullcontext()
 

@@ -150,6 +150,31 @@ def test_missing_tensors_are_an_error_unless_not_strict(tmp_path):
         assert torch.equal(after[key], expected), key
 
 
+class GPT2IgnoringBlock1(transformers.GPT2LMHeadModel):
+    _keys_to_ignore_on_load_missing = [r"transformer\.h\.1\."]
+
+
+def load_ignoring_block_1(rank, world, directory):
+    torch.manual_seed(7)
+    model = GPT2IgnoringBlock1(gpt2(seed=7).config)
+    engine, *_ = zcore.initialize(model=model, config=config_for(world, 3))
+    before = engine.full_state_dict()
+    result = zcore.load_pretrained(engine, directory, strict=True)
+    return result, before, engine.full_state_dict()
+
+
+def test_tensors_the_model_ignores_when_missing_keep_their_values(tmp_path):
+    source = gpt2(seed=3)
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("transformer.h.1.")}
+    source.save_pretrained(tmp_path / "partial", state_dict=dict(state))
+    (missing, unexpected), before, after = run_ranks(load_ignoring_block_1, 2, tmp_path / "partial",
+                                                     timeout=TIMEOUT)[0]
+    assert (missing, unexpected) == ([], [])
+    for key in after:
+        expected = before[key] if key.startswith("transformer.h.1.") else state[key]
+        assert torch.equal(after[key], expected), key
+
+
 def test_a_base_models_weights_load_into_the_model_with_a_head(tmp_path):
     """transformers' rule: keys without the base_model_prefix ('transformer.')."""
     base = transformers.GPT2Model(gpt2(seed=3).config)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
 from zcore.checkpoint.layout import tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
@@ -22,7 +21,7 @@ from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec, plan_files
 from zcore.checkpoint.weight_files import INDEX, weight_file_names, write_index
 from zcore.errors import CheckpointError
-
+from zcore.progress import progress_bar
 
 
 def consolidate(
@@ -37,7 +36,8 @@ def consolidate(
 
     Floating-point tensors are written in ``dtype`` (fp32 by default: the
     master weights), others as saved. Load with
-    ``safetensors.torch.load_file`` and ``model.load_state_dict``."""
+    ``safetensors.torch.load_file`` and ``model.load_state_dict``. With
+    ``progress``, a bar on stderr when it is a terminal (zcore.progress)."""
     tag_dir = resolve(checkpoint_dir, tag)
     if tag_dir is None:
         raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
@@ -54,8 +54,8 @@ def consolidate(
     out.mkdir(parents=True, exist_ok=True)
     total = sum(s.nbytes for s in specs)
     written = []
-    with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved, tqdm(
-        total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress
+    with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved, progress_bar(
+        f"consolidating checkpoint {tag_dir.name}", total, enabled=progress
     ) as bar:
         for name, file_specs in zip(names, files):
             with TensorFileWriter(out / name, file_specs) as writer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -26,6 +27,7 @@ from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, 
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.progress import progress_bar
 from zcore.swap import SwapManager
 from zcore.swapped_optimizer import SwappedMaster
 
@@ -188,7 +190,11 @@ def _read(
 ) -> None:
     rank = engine.context.rank
     values = SlotValues(engine)
-    with SavedRanges(tag_dir, indexes, AioEngine(tag_dir)) as saved:
+    total = _bytes_to_read(layout, meta, indexes, options.optimizer)
+    with (
+        progress_bar(f"loading checkpoint {tag_dir.name}", total) as bar,
+        SavedRanges(tag_dir, indexes, AioEngine(tag_dir), progress=bar) as saved,
+    ):
         infos = tensor_infos(meta.tensors)
         for slot in layout.slots:
             if values.swapped and infos[slot.name].role == TRAINED:
@@ -247,6 +253,20 @@ def _read(
         except ValueError as exc:
             raise schema.invalid(meta_path, "client_state", str(exc)) from None
         stage_nvme(engine, layout, saved, staged)
+
+
+def _bytes_to_read(layout: EngineLayout, meta: schema.Meta, indexes: list[schema.RankIndex], optimizer: bool) -> int:
+    """What ``_read`` reads for this rank's slots, for its progress bar: the
+    range of each tensor and, with the optimizer's states, of each ranged
+    state saved with it (in the tensor's dtype, as torch's optimizers keep them)."""
+    infos = tensor_infos(meta.tensors)
+    ranged = {(r.of, r.state) for index in indexes for r in index.ranges.values() if r.state is not None}
+    states_of = Counter(name for name, _ in ranged)
+    total = 0
+    for slot in layout.slots:
+        copies = 1 + (states_of[slot.name] if optimizer and layout.tensors[slot.name].role == TRAINED else 0)
+        total += copies * (slot.stop - slot.start) * infos[slot.name].dtype.itemsize
+    return total
 
 
 def stage_nvme(engine: Any, layout: EngineLayout, saved: RangeSource, staged: Staged) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from tqdm import tqdm
 
 from zcore import comm
 from zcore.checkpoint import durable
@@ -38,6 +39,7 @@ from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileReader, TensorFileWriter, TensorSpec, plan_files
 from zcore.checkpoint.weight_files import INDEX, WEIGHT_FILE, WEIGHTS, weight_file_names, write_index
 from zcore.errors import CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.progress import progress_bar
 
 log = logging.getLogger("zcore")
 
@@ -76,7 +78,10 @@ def save_pretrained(
     try:
         if staging is not None:
             staging.mkdir(parents=True)
-            written = _write_weights(staging, names, files, tensors) + _write_configs(engine.module, staging, dtype)
+            total = sum(spec.nbytes for file_specs in files for spec in file_specs)
+            with progress_bar(f"saving weights to {out.name}", total) as bar:
+                written = _write_weights(staging, names, files, tensors, bar)
+            written += _write_configs(engine.module, staging, dtype)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
         failures.append(exc)
     for _ in tensors:  # the rest of the gathers, where writing stopped early (the others' whole part)
@@ -125,7 +130,9 @@ def _spec(name: str, layout: EngineLayout, dtype: torch.dtype) -> TensorSpec:
     return TensorSpec(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape)
 
 
-def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], tensors: Any) -> list[str]:
+def _write_weights(
+    out: Path, names: list[str], files: list[list[TensorSpec]], tensors: Any, progress: tqdm
+) -> list[str]:
     written = []
     for file_name, file_specs in zip(names, files):
         with TensorFileWriter(out / file_name, file_specs) as writer:
@@ -134,6 +141,7 @@ def _write_weights(out: Path, names: list[str], files: list[list[TensorSpec]], t
                 if name != spec.name:  # tensor_order and full_state_tensors disagree: a bug, never a wrong file
                     raise AssertionError(f"expected tensor {spec.name!r}, got {name!r}")
                 writer.write(value)
+                progress.update(value.nbytes)
                 del value  # before the next tensor is gathered
             writer.commit()
         written.append(file_name)
@@ -175,13 +183,17 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
     try:
         with _PretrainedFiles(Path(directory)) as files:
             sources, result = _match(files, layout, engine.module, Path(directory), strict)
-            ranges = _Ranges(files, sources, _current_values(values, layout, set(result[0])))
-            staged = Staged(None, layout)
-            for slot in layout.slots:
-                if values.swapped and slot.piece is not None:
-                    continue  # trained ranges on NVMe: staged by stage_nvme, a sub-group at a time
-                staged.slots.append((slot, ranges.read(slot.name, slot.start, slot.stop).to(slot.data.dtype)))
-            stage_nvme(engine, layout, ranges, staged)
+            # Missing tensors keep their values, those the model ignores when missing too.
+            current = _current_values(values, layout, set(layout.tensors) - set(sources))
+            total = _bytes_to_read(files, sources, layout)
+            with progress_bar(f"loading weights from {Path(directory).name}", total) as bar:
+                ranges = _Ranges(files, sources, current, bar)
+                staged = Staged(None, layout)
+                for slot in layout.slots:
+                    if values.swapped and slot.piece is not None:
+                        continue  # trained ranges on NVMe: staged by stage_nvme, a sub-group at a time
+                    staged.slots.append((slot, ranges.read(slot.name, slot.start, slot.stop).to(slot.data.dtype)))
+                stage_nvme(engine, layout, ranges, staged)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
         failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
             f"loading Hugging Face weights from {directory} failed: {type(exc).__name__}: {str(exc)[:500]}"
@@ -246,6 +258,9 @@ class _PretrainedFiles:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._reader(self.file_of[key]).entries[key].shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._reader(self.file_of[key]).entries[key].dtype
 
     def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
         return self._reader(self.file_of[key]).read_range(key, start, stop)
@@ -332,21 +347,37 @@ def _ignored(module: torch.nn.Module, kind: str, key: str) -> bool:
     return any(re.search(p, key) for p in patterns)
 
 
+def _bytes_to_read(files: _PretrainedFiles, sources: dict[str, str], layout: EngineLayout) -> int:
+    """What this rank reads from the files: its range of each tensor they hold."""
+    return sum(
+        (slot.stop - slot.start) * files.dtype(sources[slot.name]).itemsize
+        for slot in layout.slots
+        if slot.name in sources
+    )
+
+
 class _Ranges:
     """What zcore.checkpoint.load's staging reads ranges from: element
     ranges of the model's tensors, from the files (or, for tensors missing
     from them, their current values); no optimizer states."""
 
     def __init__(
-        self, files: _PretrainedFiles, sources: dict[str, str], current: dict[str, list[tuple[int, torch.Tensor]]]
+        self,
+        files: _PretrainedFiles,
+        sources: dict[str, str],
+        current: dict[str, list[tuple[int, torch.Tensor]]],
+        progress: tqdm,
     ) -> None:
         self._files = files
         self._sources = sources  # tensor name -> its key in the files
         self._current = current
+        self._progress = progress  # advanced by the bytes read from the files
 
     def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
         if name in self._sources:
-            return self._files.read_range(self._sources[name], start, stop)
+            value = self._files.read_range(self._sources[name], start, stop)
+            self._progress.update(value.nbytes)
+            return value
         for first, value in self._current[name]:
             if first <= start and stop <= first + value.numel():
                 return value[start - first : stop - first]

@@ -28,6 +28,7 @@ from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layo
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
 from zcore.errors import CheckpointError, DiskIOError
+from zcore.progress import progress_bar
 
 log = logging.getLogger("zcore")
 
@@ -61,7 +62,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     layout = engine_layout(engine)
     index_checksum = None
     try:
-        index_checksum = _write_rank(engine, layout, staging, rank, client[1])
+        index_checksum = _write_rank(engine, layout, staging, tag, client[1])
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
         failure = exc
     checksums = comm.all_gather_strings(index_checksum)
@@ -89,11 +90,12 @@ def _agree(failure: Optional[BaseException], doing: str, rank: int, staging: Pat
 
 
 def _write_rank(
-    engine: Any, layout: EngineLayout, staging: Path, rank: int, client_tensors: dict[str, torch.Tensor]
+    engine: Any, layout: EngineLayout, staging: Path, tag: str, client_tensors: dict[str, torch.Tensor]
 ) -> str:
     """The weights and state files of this rank, then its index. Both files
     are written in one pass over the values, so that states on NVMe are read
     once, a sub-group at a time (zcore.checkpoint.slot_values)."""
+    rank = engine.context.rank
     values = SlotValues(engine)
     saved = [s for s in layout.slots if s.saves]
     trained = layout.slots_of(TRAINED)
@@ -117,23 +119,30 @@ def _write_rank(
 
     io = AioEngine(staging)  # O_DIRECT writes: zcore.checkpoint.direct_file
     weight_specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
+    total = sum(spec.nbytes for spec in weight_specs + state_specs)
     with (
         TensorFileWriter(staging / directory.weights_file(rank), weight_specs, engine=io) as weights_out,
         TensorFileWriter(staging / directory.state_file(rank), state_specs, engine=io) as state_out,
+        progress_bar(f"saving checkpoint {tag}", total) as bar,
     ):
         for slot, data, state in values.trained(trained):  # first in the layout, so first in both files
             if not slot.saves:
                 continue
             weights_out.write(data)
+            bar.update(data.nbytes)
             if slot.name in scalars:
                 ranged, _ = training_state.split_state(state, slot.data.numel(), slot.name)
                 for value in ranged.values():
                     state_out.write(value)
+                    bar.update(value.nbytes)
         for slot in saved:
             if layout.tensors[slot.name].role != TRAINED:
-                weights_out.write(values.frozen(slot))
+                frozen = values.frozen(slot)
+                weights_out.write(frozen)
+                bar.update(frozen.nbytes)
         for value in extra.values():
             state_out.write(value)
+            bar.update(value.nbytes)
         weights = weights_out.commit()
         state = state_out.commit()
 

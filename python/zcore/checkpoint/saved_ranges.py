@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from zcore.aio import AioEngine
 from zcore.checkpoint import directory
@@ -35,11 +36,19 @@ class _Saved:
 
 
 class SavedRanges:
-    def __init__(self, tag_dir: Path, indexes: list[RankIndex], engine: Optional[AioEngine] = None) -> None:
+    def __init__(
+        self,
+        tag_dir: Path,
+        indexes: list[RankIndex],
+        engine: Optional[AioEngine] = None,
+        progress: Optional[tqdm] = None,
+    ) -> None:
         """``indexes``: validated (zcore.checkpoint.load.read_indexes); ``engine``:
-        read with O_DIRECT through it."""
+        read with O_DIRECT through it; ``progress``: advanced by the bytes
+        each ``read`` returns."""
         self.tag_dir = tag_dir
         self._engine = engine
+        self._progress = progress
         last = directory.rank_index(len(indexes) - 1)
         self._indexes = directory.rank_index(0) + (f" to {last}" if len(indexes) > 1 else "")
         self._records: dict[tuple[int, str], FileRecord] = {}
@@ -90,6 +99,8 @@ class SavedRanges:
                     )
                 target.copy_(whole[position - saved.start : hi - saved.start])
         assert out is not None  # _covering raises on an empty range
+        if self._progress is not None:
+            self._progress.update(out.nbytes)
         return out
 
     def _covering(

@@ -52,10 +52,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--nvme", type=Path, default=None, metavar="PATH",
                         help="ZeRO-Infinity: parameters and optimizer states in swap files under PATH")
+    parser.add_argument("--metrics", type=Path, default=None, metavar="DIR",
+                        help="write every step's metrics as CSV files under DIR/zcore-demo (zcore plot DIR)")
     return parser.parse_args()
 
 
-def training_config(steps: int, micro_batch: int, nvme: Optional[Path]) -> dict:
+def training_config(steps: int, micro_batch: int, nvme: Optional[Path], monitor: Optional[Path] = None) -> dict:
     zero: dict = {
         "stage": 3,
         # Small enough that the demo's groups are really gathered and released.
@@ -67,7 +69,11 @@ def training_config(steps: int, micro_batch: int, nvme: Optional[Path]) -> dict:
         # first 1e9 elements of a rank's shards stay in host memory.
         zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme)}
+    monitoring = {} if monitor is None else {
+        "csv_monitor": {"enabled": True, "output_path": str(monitor), "job_name": "zcore-demo"},
+    }
     return {
+        **monitoring,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -85,7 +91,7 @@ def main() -> None:
     if args.nvme is not None:
         args.nvme.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    engine, *_ = zcore.initialize(model=GPT(MODEL), config=training_config(args.steps, args.micro_batch, args.nvme))
+    engine, *_ = zcore.initialize(model=GPT(MODEL), config=training_config(args.steps, args.micro_batch, args.nvme, args.metrics))
     rank, world = engine.context.rank, engine.context.world_size
     data = corpus()
     params = sum(p.numel() for p in GPT(MODEL).parameters())

@@ -1,0 +1,876 @@
+"""Will it fit? Per-rank bytes on the device, the host and NVMe for a model
+and a config, before any engine is built, and the cheapest configuration
+that fits a memory budget.
+
+The figures follow the layouts zcore builds, computed from element counts
+alone (a model on the meta device is never materialised):
+- model states (parameters, gradients, optimizer states, buffers) as
+  ``engine.memory_report()`` measures them, padding and swap-file
+  alignment included: stages 0-2 pack trained parameters into units
+  (zcore.partition), stage 3 groups each module's direct parameters
+  (zcore.sharded_group.plan_groups), persistent groups stay gathered;
+- working memory memory_report leaves out: stage 3's gather arena
+  (zcore.gather_buffers), the gradient buckets reduce-scatters send from
+  (zcore.grad_reduction), staging for offloaded parameter shards and the
+  host pools NVMe swaps read through (zcore.param_fetcher,
+  zcore.swapped_optimizer, zcore.initialize);
+- activations: the tensors autograd saves in one forward of a sample
+  input, run on the meta device, or a figure given.
+Figures are for rank 0, whose shards hold the most elements (padding sits
+at the end of the last rank's).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from zcore import _C
+from zcore.comm import DistributedContext
+from zcore.config import Config, load_config
+from zcore.errors import InvalidArgumentError
+from zcore.gather_buffers import arena_capacity
+from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
+from zcore.grad_reduction import _MAX_IN_FLIGHT
+from zcore.host_memory import PAGE_ALIGNMENT
+from zcore.memory_report import _TIER_NAMES, CATEGORIES, DEVICE, HOST, NVME, TIERS, MemoryFigures
+from zcore.param_fetcher import coordinator_config, nvme_host_bytes, staging_bytes
+from zcore.param_fetcher import swap_capacity as parameter_swap_capacity
+from zcore.partition import MAX_UNIT_NUMEL, pieces_of
+from zcore.policies import OffloadPolicy, Policies, Tier, policies_from_config
+from zcore.precision import MixedPrecision, precision_from_config
+from zcore.sharded_group import plan_groups
+from zcore.swapped_optimizer import host_bytes_available, plan_sub_groups, sub_group_elements
+from zcore.swapped_optimizer import swap_capacity as optimizer_swap_capacity
+
+ConfigArg = Union[Config, dict, str, Path]
+# One forward's inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+SampleInput = Union[torch.Tensor, tuple, Mapping]
+
+WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "activations")
+ESTIMATE_CATEGORIES = (*CATEGORIES, *WORKING)
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one element per trained element of the shard
+_GIB, _MIB = 2**30, 2**20
+
+
+@dataclass(frozen=True)
+class EstimateFigures:
+    """Bytes per category on one tier."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    buffers: int = 0  # the module's buffers
+    gather_buffers: int = 0  # stage 3's arena for gathered groups
+    reduce_buckets: int = 0  # gradients on their way through reduce-scatter (during backward)
+    staging_buffers: int = 0  # offloaded shards staged for all-gathers; host pools of NVMe swaps
+    activations: int = 0  # saved for backward, one micro-batch
+
+    @property
+    def model_states(self) -> MemoryFigures:
+        """The categories engine.memory_report() measures."""
+        return MemoryFigures(**{c: getattr(self, c) for c in CATEGORIES})
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in ESTIMATE_CATEGORIES)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int
+    world_size: int
+    compute_dtype: torch.dtype
+    parameter_tier: str  # as in MemoryReport: device, host or nvme
+    optimizer_tier: str
+    trainable_parameters: int  # elements
+    frozen_parameters: int
+    tiers: dict[str, EstimateFigures]  # keyed by zcore.memory_report.TIERS
+    activations_known: bool
+    assumptions: tuple[str, ...]  # what the figures take for granted, in words
+
+    @property
+    def label(self) -> str:
+        return choice_label(self.stage, self.optimizer_tier, self.parameter_tier)
+
+    def total(self, tier: str) -> int:
+        """Bytes on ``tier`` (activations counted only when known)."""
+        return self.tiers[tier].total
+
+    def __str__(self) -> str:
+        unit, scale = ("GiB", _GIB) if max(self.total(t) for t in TIERS) >= _GIB else ("MiB", _MIB)
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        rows = [
+            f"zcore estimate per rank: {self.label} (world size {self.world_size}, {dtype})",
+            f"{'':18}" + "".join(f"{f'{tier} {unit}':>14}" for tier in TIERS),
+        ]
+        for name in (*ESTIMATE_CATEGORIES, "total"):
+            cells = []
+            for tier in TIERS:
+                figures = self.tiers[tier]
+                if name == "activations" and not self.activations_known:
+                    cells.append(f"{'unknown' if tier == DEVICE else '-':>14}")
+                    continue
+                value = figures.total if name == "total" else getattr(figures, name)
+                cells.append(f"{value / scale:>14.2f}")
+            rows.append(f"{name:18}" + "".join(cells))
+        rows += [f"- {a}" for a in self.assumptions]
+        return "\n".join(rows)
+
+
+def choice_label(stage: int, optimizer_tier: str, parameter_tier: str) -> str:
+    """'stage 3, optimizer states on host', from zcore.memory_report's tier names."""
+    offload = [
+        f"{what} on {tier}"
+        for what, tier in (("optimizer states", optimizer_tier), ("parameters", parameter_tier))
+        if tier != DEVICE
+    ]
+    return ", ".join([f"stage {stage}", *offload])
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of CHOICES for a model: its config section and estimate, or why it has none."""
+
+    label: str
+    zero_optimization: dict
+    estimate: Optional[MemoryEstimate]
+    skipped: str = ""  # why there is no estimate
+
+    def __str__(self) -> str:
+        return str(self.estimate) if self.estimate is not None else f"{self.label}: not estimated: {self.skipped}"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    zero_optimization: dict  # the config's zero_optimization section to use
+    estimate: MemoryEstimate
+    reasons: tuple[str, ...]  # why each cheaper choice was passed over, then why this one fits
+
+    def __str__(self) -> str:
+        return "\n".join(["recommended: " + self.estimate.label, *[f"- {r}" for r in self.reasons]])
+
+
+# The choices, cheapest first: least communication, then least offload
+# traffic (zero_optimization.stage, offload_optimizer.device, offload_param.device).
+CHOICES = (
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "none"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "cpu"),
+    (3, "nvme", "nvme"),
+)
+
+
+def estimate_memory(
+    model_or_param_count: Union[torch.nn.Module, int],
+    config: ConfigArg,
+    world_size: int,
+    *,
+    device: str = "cuda",
+    sample_input: Optional[SampleInput] = None,
+    activations: Optional[int] = None,
+    host_available: Optional[int] = None,
+) -> MemoryEstimate:
+    """Per-rank bytes for ``config``'s stage and offload choice at ``world_size``.
+
+    ``model_or_param_count``: a module (any device, meta included: only
+    shapes and dtypes are read), or a number of parameters, all taken as
+    trained, laid out as small parameters would be (stage 3's groups are
+    then unknown: the result says what that leaves out). ``device``: the
+    compute device type, "cuda" or "cpu". Activations: measured with one
+    forward of ``sample_input`` on the meta device (a module only), or
+    ``activations`` bytes as given; otherwise unknown.
+    ``host_available``: the training machine's available host memory,
+    which sizes the NVMe optimizer's sub-groups as zcore does (default:
+    this machine's).
+    """
+    planner = Planner(model_or_param_count, config, device=device, sample_input=sample_input,
+                      activations=activations, host_available=host_available)
+    return planner.estimate(planner.config, world_size)
+
+
+def recommend_config(
+    model_or_param_count: Union[torch.nn.Module, int],
+    config: ConfigArg,
+    world_size: int,
+    *,
+    device_memory: int,
+    host_memory: int,
+    nvme_memory: Optional[int] = None,
+    ranks_per_node: int = 1,
+    nvme_path: Optional[str] = None,
+    device: str = "cuda",
+    sample_input: Optional[SampleInput] = None,
+    activations: Optional[int] = None,
+) -> Recommendation:
+    """The cheapest choice in CHOICES that fits: ``device_memory`` bytes per
+    device, ``host_memory`` and ``nvme_memory`` (None: not checked) bytes
+    per node of ``ranks_per_node`` ranks. NVMe choices need an nvme_path
+    (the config's or ``nvme_path``). Other keys of ``config`` are kept."""
+    planner = Planner(model_or_param_count, config, device=device, sample_input=sample_input,
+                      activations=activations, host_available=host_memory)
+    budget = Budget(device_memory, host_memory, nvme_memory, ranks_per_node)
+    return planner.recommend(world_size, budget, nvme_path)
+
+
+@dataclass(frozen=True)
+class Budget:
+    device: int  # bytes per device
+    host: int  # bytes per node
+    nvme: Optional[int]  # bytes per node; None: not checked
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("device_memory", self.device), ("host_memory", self.host),
+                            ("nvme_memory", self.nvme), ("ranks_per_node", self.ranks_per_node)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}", argument=name)
+
+    def overruns(self, estimate: MemoryEstimate) -> list[str]:
+        """What ``estimate`` needs beyond the budget, in words (empty: it fits)."""
+        k = self.ranks_per_node
+        needs = [("device", estimate.total(DEVICE), self.device, "per device"),
+                 ("host", k * estimate.total(HOST), self.host, f"per node of {k} rank{'s' * (k > 1)}")]
+        if self.nvme is not None:
+            needs.append(("nvme", k * estimate.total(NVME), self.nvme, f"per node of {k} rank{'s' * (k > 1)}"))
+        return [f"{tier} {' > '.join(sizes_text(need, have))} budget {where}"
+                for tier, need, have, where in needs if need > have]
+
+    def use(self, estimate: MemoryEstimate) -> str:
+        k = self.ranks_per_node
+        parts = [f"device {size_text(estimate.total(DEVICE))} of {size_text(self.device)}",
+                 f"host {size_text(k * estimate.total(HOST))} of {size_text(self.host)}"]
+        if estimate.total(NVME):
+            of = f" of {size_text(self.nvme)}" if self.nvme is not None else " (NVMe space not checked)"
+            parts.append(f"nvme {size_text(k * estimate.total(NVME))}{of}")
+        return ", ".join(parts)
+
+
+class Planner:
+    """A model's counts (and its activations, measured once) against configs."""
+
+    def __init__(
+        self,
+        model_or_param_count: Union[torch.nn.Module, int],
+        config: ConfigArg,
+        *,
+        device: str = "cuda",
+        sample_input: Optional[SampleInput] = None,
+        activations: Optional[int] = None,
+        host_available: Optional[int] = None,
+    ) -> None:
+        if device not in ("cuda", "cpu"):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {device!r}", argument="device")
+        self.config = load_config(config)
+        self.device = torch.device(device)
+        self.model = ModelCounts.of(model_or_param_count)
+        self.host_available = host_bytes_available() if host_available is None else host_available
+        precision = precision_from_config(self.config)
+        self.activations, note = _activations(self.model, sample_input, activations, precision)
+        self.notes = (*self.model.assumptions, *([note] if note else []))
+
+    def estimate(self, cfg: Config, world_size: int) -> MemoryEstimate:
+        _check_world_size(world_size)
+        precision = precision_from_config(cfg)
+        context = DistributedContext(rank=0, world_size=world_size, local_rank=0, device=self.device, backend="")
+        policies = policies_from_config(cfg, context)
+        notes = list(self.notes)
+        if cfg.optimizer is None:
+            notes.append("optimizer: Adam/AdamW states assumed (the config has no 'optimizer' section)")
+        table = _Table()
+        layout = Layout.of(self.model, policies, cfg, precision)
+        _parameters(layout, policies, cfg.zero_optimization.stage3_param_persistence_threshold, table)
+        _gradients(layout, policies, self.device, table)
+        _optimizer_states(layout, policies.offload, self.host_available, table)
+        table.add("buffers", DEVICE, self.model.buffer_bytes(precision))
+        _working_memory(layout, policies, cfg, precision, self.device, self.host_available, table)
+        if self.activations is not None:
+            table.add("activations", DEVICE, self.activations)
+        return MemoryEstimate(
+            stage=policies.stage.stage,
+            world_size=world_size,
+            compute_dtype=precision.compute_dtype,
+            parameter_tier=_TIER_NAMES[policies.offload.parameters],
+            optimizer_tier=_TIER_NAMES[policies.offload.optimizer],
+            trainable_parameters=self.model.trainable_elements,
+            frozen_parameters=self.model.frozen_elements,
+            tiers=table.figures(),
+            activations_known=self.activations is not None,
+            assumptions=tuple(notes),
+        )
+
+    def choices(self, world_size: int, nvme_path: Optional[str]) -> list[Choice]:
+        """Each of CHOICES, with the other keys of the config as given."""
+        raw = self.config.model_dump(exclude_unset=True)
+        path = nvme_path or _nvme_path(self.config)
+        out = []
+        for stage, optimizer, parameters in CHOICES:
+            label = choice_label(stage, _TIER_NAMES[Tier(optimizer)], _TIER_NAMES[Tier(parameters)])
+            zero = _choice_section(raw.get("zero_optimization", {}), stage, optimizer, parameters, path)
+            if zero is None:
+                out.append(Choice(label, {}, None, "no nvme_path: give one (--nvme-path) to consider NVMe"))
+                continue
+            cfg = load_config({**raw, "zero_optimization": zero})
+            out.append(Choice(label, zero, self.estimate(cfg, world_size)))
+        return out
+
+    def recommend(self, world_size: int, budget: Budget, nvme_path: Optional[str]) -> Recommendation:
+        reasons = []
+        for choice in self.choices(world_size, nvme_path):
+            estimate = choice.estimate
+            if estimate is None:
+                reasons.append(f"{choice.label}: not considered: {choice.skipped}")
+                continue
+            overruns = budget.overruns(estimate)
+            if not overruns:
+                reasons.append(f"{choice.label} fits: {budget.use(estimate)}")
+                return Recommendation(choice.zero_optimization, estimate, tuple(reasons))
+            reasons.append(f"{choice.label} does not fit: {'; '.join(overruns)}")
+        raise InvalidArgumentError(
+            f"no configuration fits at world size {world_size}:\n" + "\n".join(f"- {r}" for r in reasons)
+            + f"\n{self._fix(world_size, budget, nvme_path)}",
+            world_size=world_size,
+        )
+
+    def _fix(self, world_size: int, budget: Budget, nvme_path: Optional[str]) -> str:
+        """What would make a choice fit, in words: the smallest world size
+        (doubling, up to 65536) where one does, else what to change."""
+        if self.activations is not None and self.activations >= budget.device:
+            return (f"activations alone take {size_text(self.activations)} per device: lower the micro-batch "
+                    "or the sequence length, or checkpoint activations")
+        world = world_size * 2
+        while world <= 1 << 16:
+            for choice in self.choices(world, nvme_path):
+                if choice.estimate is not None and not budget.overruns(choice.estimate):
+                    return f"at world size {world}, {choice.label} fits: add ranks, or raise the budgets"
+            world *= 2
+        if nvme_path or _nvme_path(self.config):
+            return "raise the budgets"
+        return "raise the budgets, or give an nvme_path for NVMe offload"
+
+
+def _choice_section(zero: dict, stage: int, optimizer: str, parameters: str, path: Optional[str]) -> Optional[dict]:
+    """The user's zero_optimization section with this choice's stage and
+    offload devices (None: an NVMe choice without a path)."""
+    if "nvme" in (optimizer, parameters) and path is None:
+        return None
+    section = {**zero, "stage": stage}
+    for key, device in (("offload_optimizer", optimizer), ("offload_param", parameters)):
+        given = section.get(key, {})
+        offload = {k: v for k, v in given.items() if k not in ("device", "nvme_path")}
+        if device != "none":
+            offload["device"] = device
+        if device == "nvme":
+            offload["nvme_path"] = given.get("nvme_path") or path
+            if key == "offload_param":
+                offload.setdefault("max_in_cpu", 0)  # NVMe is chosen because the host is short
+        if offload:
+            section[key] = offload
+        else:
+            section.pop(key, None)
+    return section
+
+
+def _nvme_path(cfg: Config) -> Optional[str]:
+    zero = cfg.zero_optimization
+    return zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
+
+
+def _check_world_size(world_size: Any) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise InvalidArgumentError(
+            f"world_size must be a positive integer (the number of data-parallel ranks), got {world_size!r}",
+            argument="world_size",
+        )
+
+
+# The model, as counts.
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the layouts need of a model: element counts and dtypes, no values."""
+
+    trainable: tuple[int, ...]  # trained parameters' elements, in model.parameters() order
+    frozen: tuple[tuple[int, torch.dtype], ...]  # frozen parameters: (elements, dtype)
+    # Stage 3's groups (zcore.sharded_group.plan_groups): (elements of each
+    # parameter, trained, dtype); None when only a count is known.
+    groups: Optional[tuple[tuple[tuple[int, ...], bool, torch.dtype], ...]]
+    buffers: tuple[tuple[int, torch.dtype], ...]
+    module: Optional[torch.nn.Module]  # for the activations' forward
+    assumptions: tuple[str, ...]
+
+    @property
+    def trainable_elements(self) -> int:
+        return sum(self.trainable)
+
+    @property
+    def frozen_elements(self) -> int:
+        return sum(n for n, _ in self.frozen)
+
+    @staticmethod
+    def of(model: Union[torch.nn.Module, int]) -> ModelCounts:
+        if isinstance(model, torch.nn.Module):
+            return ModelCounts.of_module(model)
+        if isinstance(model, int) and not isinstance(model, bool) and model > 0:
+            return ModelCounts.of_count(model)
+        raise InvalidArgumentError(
+            f"model_or_param_count must be a torch.nn.Module or a positive number of parameters, got {model!r}",
+            argument="model_or_param_count",
+        )
+
+    @staticmethod
+    def of_module(model: torch.nn.Module) -> ModelCounts:
+        params = list(model.parameters())
+        groups = tuple(
+            (tuple(p.numel() for p in kind), kind[0].requires_grad, kind[0].dtype)
+            for _, _, kinds in plan_groups(model).owned
+            for kind in kinds
+        )
+        return ModelCounts(
+            trainable=tuple(p.numel() for p in params if p.requires_grad),
+            frozen=tuple((p.numel(), p.dtype) for p in params if not p.requires_grad),
+            groups=groups,
+            buffers=tuple((b.numel(), b.dtype) for b in model.buffers()),
+            module=model,
+            assumptions=(),
+        )
+
+    @staticmethod
+    def of_count(count: int) -> ModelCounts:
+        return ModelCounts(
+            trainable=(count,),
+            frozen=(),
+            groups=None,
+            buffers=(),
+            module=None,
+            assumptions=(
+                f"a bare count of {count:,} parameters: all trained, no buffers, small parameters; "
+                "stage 3 groups unknown: none taken as persistent, and what depends on the largest group "
+                "(its share of the gather arena and staging, reduce-scatter buckets, the gradient swap "
+                "pool) left out: pass the model for exact figures",
+            ),
+        )
+
+    def buffer_bytes(self, precision: MixedPrecision) -> int:
+        """On the device, whole on every rank; floating point ones in the
+        compute dtype when the config casts them."""
+        def itemsize(dtype: torch.dtype) -> int:
+            cast = precision.cast_buffers and dtype.is_floating_point
+            return (precision.compute_dtype if cast else dtype).itemsize
+        return sum(n * itemsize(d) for n, d in self.buffers)
+
+
+class Shard:
+    """A unit (stages 0-2, zcore.partition.FlatUnit) or group (stage 3,
+    zcore.sharded_group.ShardedGroup) as counts, rank 0's shard: enough of
+    either for zcore's own sizing functions (arena, staging, swap files,
+    sub-groups)."""
+
+    def __init__(self, index: int, numels: tuple[int, ...], num_shards: int, dtype: torch.dtype, trainable: bool):
+        self.index = index
+        self.numel = sum(numels)
+        self.padded_numel = -(-self.numel // num_shards) * num_shards
+        self.shard_numel = self.padded_numel // num_shards
+        offsets = list(itertools.accumulate(numels, initial=0))[:-1]
+        self.pieces = pieces_of(offsets, list(numels), 0, self.shard_numel)
+        self.dtype = dtype
+        self.trainable = trainable
+
+    @property
+    def trained_elements(self) -> int:
+        """Elements of rank 0's shard the optimizer keeps states for (no padding)."""
+        return sum(p.numel for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The units (stages 0-2) or groups (stage 3, trained and frozen) of a model."""
+
+    shards: list[Shard]
+    frozen_bytes: int  # stages 0-2: frozen parameters, whole on every rank
+    groups_known: bool  # stage 3: False for a bare count (one group stands for all)
+
+    @property
+    def trained(self) -> list[Shard]:
+        return [s for s in self.shards if s.trainable]
+
+    @staticmethod
+    def of(model: ModelCounts, policies: Policies, cfg: Config, precision: MixedPrecision) -> Layout:
+        stage, compute = policies.stage, precision.compute_dtype
+        if stage.shards_parameters:
+            if model.groups is None:
+                return Layout([Shard(0, model.trainable, stage.world_size, compute, True)], 0, False)
+            shards = [
+                Shard(i, numels, stage.world_size, compute if dtype.is_floating_point else dtype, trained)
+                for i, (numels, trained, dtype) in enumerate(model.groups)
+            ]
+            return Layout(shards, 0, True)
+        zero = cfg.zero_optimization
+        bucket = min(zero.reduce_bucket_size, zero.allgather_bucket_size, MAX_UNIT_NUMEL)
+        num_shards, _ = stage.unit_shards
+        if model.groups is None:  # a bare count: full units, alike (one object: a count may be huge)
+            whole, rest = divmod(model.trainable_elements, bucket)
+            units = [Shard(0, (bucket,), num_shards, compute, True)] * whole
+            units += [Shard(whole, (rest,), num_shards, compute, True)] if rest else []
+        else:
+            units = [Shard(i, u, num_shards, compute, True) for i, u in enumerate(_pack(model.trainable, bucket))]
+        frozen = sum(n * (compute if d.is_floating_point else d).itemsize for n, d in model.frozen)
+        return Layout(units, frozen, True)
+
+
+def _pack(numels: tuple[int, ...], bucket: int) -> list[tuple[int, ...]]:
+    """zcore.partition.pack_units, on counts: whole parameters, in order,
+    into units of at most ``bucket`` elements (a larger one alone)."""
+    units: list[tuple[int, ...]] = []
+    current: list[int] = []
+    for n in numels:
+        if current and sum(current) + n > bucket:
+            units.append(tuple(current))
+            current = []
+        current.append(n)
+    if current:
+        units.append(tuple(current))
+    return units
+
+
+class _Table:
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], int] = {}
+
+    def add(self, category: str, tier: str, nbytes: int) -> None:
+        self._bytes[(category, tier)] = self._bytes.get((category, tier), 0) + nbytes
+
+    def figures(self) -> dict[str, EstimateFigures]:
+        return {
+            t: EstimateFigures(**{f.name: self._bytes.get((f.name, t), 0) for f in fields(EstimateFigures)})
+            for t in TIERS
+        }
+
+
+# Model states: what zcore.memory_report measures, category by category.
+def _parameters(layout: Layout, policies: Policies, threshold: int, table: _Table) -> None:
+    """Stages 0-2: every unit whole on the device, with the frozen
+    parameters. Stage 3: each group's shard on offload_param's tier (NVMe:
+    see ``_nvme_groups``); a persistent group (fewer padded elements than
+    stage3_param_persistence_threshold) keeps its shard and its gathered
+    buffer on the device."""
+    if not policies.stage.shards_parameters:
+        units = sum(u.padded_numel * u.dtype.itemsize for u in layout.shards)
+        table.add("parameters", DEVICE, units + layout.frozen_bytes)
+        return
+    offload = policies.offload
+    if not layout.groups_known and offload.parameters is Tier.NVME:
+        # One group stands for all: max_in_cpu keeps elements, not groups.
+        (g,) = layout.shards
+        in_host = min(g.shard_numel, offload.nvme_host_elements)
+        table.add("parameters", HOST, in_host * g.dtype.itemsize)
+        table.add("parameters", NVME, _aligned((g.shard_numel - in_host) * g.dtype.itemsize))
+        return
+    on_nvme = _nvme_groups(layout, offload, threshold)
+    table.add("parameters", NVME, parameter_swap_capacity(on_nvme))
+    nvme_ids = {g.index for g in on_nvme}
+    for g in layout.shards:
+        shard = g.shard_numel * g.dtype.itemsize
+        if layout.groups_known and g.padded_numel < threshold:
+            table.add("parameters", DEVICE, shard + g.padded_numel * g.dtype.itemsize)
+        elif g.index not in nvme_ids:
+            # NVMe shards within max_in_cpu stay in host memory.
+            tier = Tier.HOST if offload.parameters is Tier.NVME else offload.parameters
+            table.add("parameters", _TIER_NAMES[tier], shard)
+
+
+def _gradients(layout: Layout, policies: Policies, device: torch.device, table: _Table) -> None:
+    """fp32, on the device: stages 0-1 a full-size accumulator per unit
+    (stage 1 plus the reduced shard); stages 2-3 the shard only, on NVMe
+    with an NVMe optimizer. An optimizer on the host, with a GPU computing,
+    keeps fp32 host copies of the shards beside it."""
+    stage, offload = policies.stage, policies.offload
+    trained = layout.trained
+    shards = FP32 * sum(u.shard_numel for u in trained)
+    if not stage.reduce_scatters_every_micro_step:
+        accumulator = FP32 * sum(u.padded_numel for u in trained)
+        table.add("gradients", DEVICE, accumulator + (shards if stage.shards_optimizer_states else 0))
+    elif offload.optimizer is Tier.NVME:
+        table.add("gradients", NVME, gradient_swap_capacity(trained, PAGE_ALIGNMENT))
+    else:
+        table.add("gradients", DEVICE, shards)
+    if offload.optimizer is Tier.HOST and device.type != "cpu":
+        table.add("gradients", HOST, shards)
+
+
+def _optimizer_states(layout: Layout, offload: OffloadPolicy, host_available: int, table: _Table) -> None:
+    """The fp32 master shard (padding included) and Adam's two moments of
+    its trained elements, on offload_optimizer's tier; on NVMe, the
+    sub-groups' extents in the swap file."""
+    trained = layout.trained
+    if offload.optimizer is Tier.NVME:
+        table.add("optimizer_states", NVME, optimizer_swap_capacity(_sub_groups(trained, offload, host_available)))
+        return
+    master = FP32 * sum(u.shard_numel for u in trained)
+    moments = ADAM_MOMENTS * FP32 * sum(u.trained_elements for u in trained)
+    table.add("optimizer_states", _TIER_NAMES[offload.optimizer], master + moments)
+
+
+def _sub_groups(trained: list[Shard], offload: OffloadPolicy, host_available: int) -> list:
+    """zcore.initialize's sub-groups of the NVMe optimizer's states."""
+    total = sum(u.trained_elements for u in trained)
+    size = sub_group_elements(
+        total, offload.optimizer_buffers, offload.sub_group_size, offload.sub_group_size_set, host_available
+    )
+    return plan_sub_groups(trained, size)
+
+
+# Working memory: what memory_report leaves out.
+def _working_memory(
+    layout: Layout,
+    policies: Policies,
+    cfg: Config,
+    precision: MixedPrecision,
+    device: torch.device,
+    host_available: int,
+    table: _Table,
+) -> None:
+    _reduce_buckets(layout, policies, precision, table)
+    if policies.stage.shards_parameters:
+        _stage3_buffers(layout, policies, coordinator_config(cfg.zero_optimization), device, table)
+    if policies.offload.optimizer is Tier.NVME:
+        _optimizer_swap_pools(layout, policies, host_available, table)
+
+
+def _reduce_buckets(layout: Layout, policies: Policies, precision: MixedPrecision, table: _Table) -> None:
+    """Stages 2-3: a bucket of a unit's whole gradient and its reduced
+    shard, in the reduce dtype, for each reduce-scatter in flight and the
+    one being launched (at most, the largest units). Stages 0-1: at the
+    boundary every unit is sent at once, the accumulator itself when it is
+    in the reduce dtype (fp32), else a copy; stage 1 receives the shards
+    beside them."""
+    stage, trained = policies.stage, layout.trained
+    size = precision.reduce_dtype.itemsize
+    if stage.reduce_scatters_every_micro_step:
+        if layout.groups_known:
+            largest = sorted(trained, key=lambda u: u.padded_numel, reverse=True)[: _MAX_IN_FLIGHT + 1]
+            table.add("reduce_buckets", DEVICE, sum(u.padded_numel + u.shard_numel for u in largest) * size)
+        return
+    sends = 0 if size == FP32 else sum(u.padded_numel for u in trained) * size
+    received = sum(u.shard_numel for u in trained) * size if stage.shards_optimizer_states else 0
+    table.add("reduce_buckets", DEVICE, sends + received)
+
+
+def _stage3_buffers(
+    layout: Layout, policies: Policies, coordinator: _C.CoordinatorConfig, device: torch.device, table: _Table
+) -> None:
+    """The gather arena on the device (zcore.gather_buffers.arena_capacity);
+    with offloaded parameters, the shards staged for all-gathers on the
+    device (zcore.param_fetcher.staging_bytes) and, on NVMe, the host pool
+    they are read through (on a CPU device that pool is the staging).
+    Staging is allocated as shards are fetched, so never more than the
+    offloaded shards take."""
+    offload, groups = policies.offload, layout.shards
+    threshold = coordinator.persistence_threshold if layout.groups_known else 0
+    persistent = [g.padded_numel < threshold for g in groups]
+    live, bucket = coordinator.max_live_elements, coordinator.prefetch_bucket_elements
+    if layout.groups_known:
+        arena = arena_capacity(groups, persistent, live, bucket)
+    else:
+        arena = min(live + bucket, groups[0].padded_numel) * groups[0].dtype.itemsize
+    table.add("gather_buffers", DEVICE, arena)
+    if offload.parameters is Tier.DEVICE:
+        return
+    offloaded = sum(g.shard_numel * g.dtype.itemsize for g, p in zip(groups, persistent) if not p)
+    if layout.groups_known:
+        staging = staging_bytes(groups, coordinator, policies.stage.world_size, offload)
+    else:
+        staging = 2 * bucket // policies.stage.world_size * groups[0].dtype.itemsize
+    on_nvme = _nvme_groups(layout, offload, threshold)
+    if on_nvme:
+        pool = nvme_host_bytes(on_nvme, staging) if layout.groups_known else staging
+        table.add("staging_buffers", HOST, min(pool, parameter_swap_capacity(on_nvme)))
+    if device.type == "cuda" or offload.parameters is Tier.HOST:
+        table.add("staging_buffers", DEVICE, min(staging, offloaded))
+
+
+def _optimizer_swap_pools(layout: Layout, policies: Policies, host_available: int, table: _Table) -> None:
+    """Host pools of the NVMe optimizer (zcore.initialize): buffer_count
+    sub-groups, and (stages 2-3) three unit-sized gradient shards; the
+    pools allocate as they are used, so never more buffers than keys."""
+    offload, trained = policies.offload, layout.trained
+    subs = _sub_groups(trained, offload, host_available)
+    biggest = max((s.nbytes for s in subs), default=PAGE_ALIGNMENT)
+    table.add("staging_buffers", HOST, min(offload.optimizer_buffers, len(subs)) * (biggest + PAGE_ALIGNMENT))
+    if policies.stage.reduce_scatters_every_micro_step and layout.groups_known:
+        largest = max(u.shard_numel for u in trained)
+        table.add("staging_buffers", HOST, min(3, len(trained)) * (largest * FP32 + PAGE_ALIGNMENT))
+
+
+def _nvme_groups(layout: Layout, offload: OffloadPolicy, threshold: int) -> list[Shard]:
+    """The groups whose shards rest on NVMe, as zcore's coordinator places
+    them: max_in_cpu elements of shards stay in host memory, the first
+    groups in order up to the first that does not fit; persistent groups
+    stay on the device."""
+    if offload.parameters is not Tier.NVME:
+        return []
+    if not layout.groups_known:
+        return [g for g in layout.shards if g.shard_numel > offload.nvme_host_elements]  # partly
+    kept, spilled, out = 0, False, []
+    for g in layout.shards:
+        if g.padded_numel < threshold:
+            continue
+        spilled = spilled or kept + g.shard_numel > offload.nvme_host_elements
+        if spilled:
+            out.append(g)
+        else:
+            kept += g.shard_numel
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // PAGE_ALIGNMENT) * PAGE_ALIGNMENT
+
+
+# Activations.
+def _activations(
+    model: ModelCounts, sample_input: Optional[SampleInput], given: Optional[int], precision: MixedPrecision
+) -> tuple[Optional[int], str]:
+    """(bytes, a note for the result) from ``given``, or measured with one
+    forward of ``sample_input``; (None, why) when unknown."""
+    if given is not None and sample_input is not None:
+        raise InvalidArgumentError("give activations or sample_input, not both", argument="activations")
+    if given is not None:
+        if not isinstance(given, int) or isinstance(given, bool) or given < 0:
+            raise InvalidArgumentError(f"activations must be a number of bytes >= 0, got {given!r}",
+                                       argument="activations")
+        return given, "activations: as given"
+    if sample_input is None:
+        return None, "activations unknown: give a sample input (--batch/--seq-len) or their bytes (--activations)"
+    if model.module is None:
+        raise InvalidArgumentError(
+            "sample_input needs a model to run; with a bare parameter count give activations=<bytes>",
+            argument="sample_input",
+        )
+    try:
+        saved = saved_tensor_bytes(model.module, sample_input, precision)
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's forward: reported, not raised
+        return None, f"activations unknown: the forward on the meta device failed ({type(exc).__name__}: {exc})"
+    return saved, "activations: what autograd saves in one training forward of the sample input (meta device)"
+
+
+def saved_tensor_bytes(model: torch.nn.Module, sample_input: SampleInput, precision: MixedPrecision) -> int:
+    """Bytes autograd saves for backward in one forward of ``sample_input``
+    in training mode, parameters and buffers aside (zcore keeps those).
+    Runs on the meta device with meta copies of the parameters in the
+    compute dtype (floating inputs too), so nothing is computed or allocated."""
+    def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        dtype = precision.compute_dtype if cast and t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=dtype, device="meta")
+
+    params = {n: meta(p, True).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    buffers = {n: meta(b, precision.cast_buffers) for n, b in model.named_buffers()}
+    saved = SavedTensors(kept=(*params.values(), *buffers.values()))
+    args, kwargs = _arguments(sample_input, lambda t: meta(t, True))
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train()
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
+            FusedAttention(saved),
+        ):
+            torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return saved.nbytes
+
+
+class SavedTensors:
+    """Saved-tensor hooks that count each saved storage once (a view
+    counts its base), except the tensors in ``kept``."""
+
+    def __init__(self, kept: tuple[torch.Tensor, ...]) -> None:
+        self._kept = {id(t) for t in kept}
+        self._bytes: dict[int, int] = {}  # id of a base tensor -> its bytes
+        self._tensors: list[torch.Tensor] = []  # alive until counted, so ids stay unique
+        self.paused = False
+        self.extra = 0  # bytes saved by kernels whose tensors are not seen
+
+    def add(self, t: torch.Tensor) -> None:
+        base = t if t._base is None else t._base
+        if id(t) not in self._kept and id(base) not in self._kept:
+            self._bytes[id(base)] = base.numel() * base.element_size()
+            self._tensors.append(base)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.paused:
+            self.add(t)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._bytes.values()) + self.extra
+
+
+class FusedAttention(torch.overrides.TorchFunctionMode):
+    """scaled_dot_product_attention counted as torch's fused kernels (flash,
+    memory-efficient) save it for backward: query, key, value, the output
+    and an fp32 log-sum-exp per query row. On the meta device it runs
+    unfused, which would count the whole attention matrix, several times."""
+
+    def __init__(self, saved: SavedTensors) -> None:
+        super().__init__()
+        self._saved = saved
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self._saved.paused = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._saved.paused = False
+        if out.requires_grad:
+            query, key, value = (*args, *(kwargs.get(k) for k in ("query", "key", "value")))[:3]
+            for t in (query, key, value, out):
+                self._saved.add(t)
+            self._saved.extra += query.shape[:-1].numel() * FP32
+        return out
+
+
+def _arguments(sample_input: SampleInput, convert: Any) -> tuple[tuple, dict]:
+    def each(value: Any) -> Any:
+        return convert(value) if isinstance(value, torch.Tensor) else value
+    if isinstance(sample_input, Mapping):
+        return (), {k: each(v) for k, v in sample_input.items()}
+    if isinstance(sample_input, tuple):
+        return tuple(each(v) for v in sample_input), {}
+    return (each(sample_input),), {}
+
+
+# Text.
+def size_text(nbytes: int, digits: int = 1) -> str:
+    if nbytes >= _GIB:
+        return f"{nbytes / _GIB:.{digits}f} GiB"
+    return f"{nbytes / _MIB:.{digits}f} MiB"
+
+
+def sizes_text(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` with as many decimals (up to 4) as it takes to tell them apart."""
+    for digits in range(1, 5):
+        texts = size_text(a, digits), size_text(b, digits)
+        if texts[0] != texts[1]:
+            break
+    return texts
