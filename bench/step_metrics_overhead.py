@@ -8,9 +8,9 @@ in one process.
 Two engines train two copies of zcore's demo GPT (vocab 8192, seq 256,
 micro-batch 4, fp32, world 1): "off" with no monitor, "on" with the
 csv_monitor and wall_clock_breakdown (every figure measured and written,
-the split printed every step). Rounds alternate off and on; each round
-times --steps steps after one untimed step. The table gives the median
-step per round and overall; the overhead is on / off - 1 over the medians.
+the split printed every step). The engines take turns step by step; each
+round times --steps steps of each. The table gives the median step per
+round and overall; the overhead is on / off - 1 over the medians.
 The first optimizer step of "on" counts FLOPs and is never timed.
 """
 
@@ -58,6 +58,9 @@ def step(engine, g: torch.Generator) -> float:
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     engine.backward(loss)
     engine.step()
+    # An optimizer step behind the forward (NVMe) ends here: the other
+    # engine's step must not run beside it.
+    engine.optimizer.finish_step()
     return time.perf_counter() - start
 
 
@@ -80,9 +83,12 @@ def main() -> None:
             step(engine, g)  # the first step: trace recording, FLOP counting
         times: dict[str, list[list[float]]] = {name: [] for name in engines}
         for _ in range(args.rounds):
-            for name, engine in engines.items():
-                step(engine, g)
-                times[name].append([step(engine, g) for _ in range(args.steps)])
+            for name in engines:
+                times[name].append([])
+            # Step by step in turn, so that the machine's drift falls on both alike.
+            for _ in range(args.steps):
+                for name, engine in engines.items():
+                    times[name][-1].append(step(engine, g))
         rows = sum(1 for _ in (Path(runs) / "overhead").glob("*.csv"))
         for engine in engines.values():
             engine.destroy()
