@@ -23,7 +23,6 @@ at the end of the last rank's).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -31,14 +30,15 @@ from typing import Any, Optional, Union
 import torch
 
 from zcore import _C
+from zcore.activation_estimate import SampleInput, saved_tensor_bytes
 from zcore.comm import DistributedContext
 from zcore.config import Config, load_config
 from zcore.errors import InvalidArgumentError
 from zcore.gather_buffers import arena_capacity
 from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
-from zcore.grad_reduction import _MAX_IN_FLIGHT
+from zcore.grad_reduction import MAX_REDUCES_IN_FLIGHT
 from zcore.host_memory import PAGE_ALIGNMENT
-from zcore.memory_report import _TIER_NAMES, CATEGORIES, DEVICE, HOST, NVME, TIERS, MemoryFigures
+from zcore.memory_report import TIER_NAMES, CATEGORIES, DEVICE, HOST, NVME, TIERS, MemoryFigures
 from zcore.param_fetcher import coordinator_config, nvme_host_bytes, staging_bytes
 from zcore.param_fetcher import swap_capacity as parameter_swap_capacity
 from zcore.partition import MAX_UNIT_NUMEL, pieces_of
@@ -49,8 +49,6 @@ from zcore.swapped_optimizer import host_bytes_available, plan_sub_groups, sub_g
 from zcore.swapped_optimizer import swap_capacity as optimizer_swap_capacity
 
 ConfigArg = Union[Config, dict, str, Path]
-# One forward's inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
-SampleInput = Union[torch.Tensor, tuple, Mapping]
 
 WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "activations")
 ESTIMATE_CATEGORIES = (*CATEGORIES, *WORKING)
@@ -301,8 +299,8 @@ class Planner:
             stage=policies.stage.stage,
             world_size=world_size,
             compute_dtype=precision.compute_dtype,
-            parameter_tier=_TIER_NAMES[policies.offload.parameters],
-            optimizer_tier=_TIER_NAMES[policies.offload.optimizer],
+            parameter_tier=TIER_NAMES[policies.offload.parameters],
+            optimizer_tier=TIER_NAMES[policies.offload.optimizer],
             trainable_parameters=self.model.trainable_elements,
             frozen_parameters=self.model.frozen_elements,
             tiers=table.figures(),
@@ -316,7 +314,7 @@ class Planner:
         path = nvme_path or _nvme_path(self.config)
         out = []
         for stage, optimizer, parameters in CHOICES:
-            label = choice_label(stage, _TIER_NAMES[Tier(optimizer)], _TIER_NAMES[Tier(parameters)])
+            label = choice_label(stage, TIER_NAMES[Tier(optimizer)], TIER_NAMES[Tier(parameters)])
             zero = _choice_section(raw.get("zero_optimization", {}), stage, optimizer, parameters, path)
             if zero is None:
                 out.append(Choice(label, {}, None, "no nvme_path: give one (--nvme-path) to consider NVMe"))
@@ -586,7 +584,7 @@ def _parameters(layout: Layout, policies: Policies, threshold: int, table: _Tabl
         elif g.index not in nvme_ids:
             # NVMe shards within max_in_cpu stay in host memory.
             tier = Tier.HOST if offload.parameters is Tier.NVME else offload.parameters
-            table.add("parameters", _TIER_NAMES[tier], shard)
+            table.add("parameters", TIER_NAMES[tier], shard)
 
 
 def _gradients(layout: Layout, policies: Policies, device: torch.device, table: _Table) -> None:
@@ -618,7 +616,7 @@ def _optimizer_states(layout: Layout, offload: OffloadPolicy, host_available: in
         return
     master = FP32 * sum(u.shard_numel for u in trained)
     moments = ADAM_MOMENTS * FP32 * sum(u.trained_elements for u in trained)
-    table.add("optimizer_states", _TIER_NAMES[offload.optimizer], master + moments)
+    table.add("optimizer_states", TIER_NAMES[offload.optimizer], master + moments)
 
 
 def _sub_groups(trained: list[Shard], offload: OffloadPolicy, host_available: int) -> list:
@@ -658,7 +656,7 @@ def _reduce_buckets(layout: Layout, policies: Policies, precision: MixedPrecisio
     size = precision.reduce_dtype.itemsize
     if stage.reduce_scatters_every_micro_step:
         if layout.groups_known:
-            largest = sorted(trained, key=lambda u: u.padded_numel, reverse=True)[: _MAX_IN_FLIGHT + 1]
+            largest = sorted(trained, key=lambda u: u.padded_numel, reverse=True)[: MAX_REDUCES_IN_FLIGHT + 1]
             table.add("reduce_buckets", DEVICE, sum(u.padded_numel + u.shard_numel for u in largest) * size)
         return
     sends = 0 if size == FP32 else sum(u.padded_numel for u in trained) * size
@@ -762,102 +760,6 @@ def _activations(
     except Exception as exc:  # noqa: BLE001 - any failure of the user's forward: reported, not raised
         return None, f"activations unknown: the forward on the meta device failed ({type(exc).__name__}: {exc})"
     return saved, "activations: what autograd saves in one training forward of the sample input (meta device)"
-
-
-def saved_tensor_bytes(model: torch.nn.Module, sample_input: SampleInput, precision: MixedPrecision) -> int:
-    """Bytes autograd saves for backward in one forward of ``sample_input``
-    in training mode, parameters and buffers aside (zcore keeps those).
-    Runs on the meta device with meta copies of the parameters in the
-    compute dtype (floating inputs too), so nothing is computed or allocated."""
-    def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
-        dtype = precision.compute_dtype if cast and t.is_floating_point() else t.dtype
-        return torch.empty(t.shape, dtype=dtype, device="meta")
-
-    params = {n: meta(p, True).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
-    buffers = {n: meta(b, precision.cast_buffers) for n, b in model.named_buffers()}
-    saved = SavedTensors(kept=(*params.values(), *buffers.values()))
-    args, kwargs = _arguments(sample_input, lambda t: meta(t, True))
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.train()
-        with (
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
-            FusedAttention(saved),
-        ):
-            torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    return saved.nbytes
-
-
-class SavedTensors:
-    """Saved-tensor hooks that count each saved storage once (a view
-    counts its base), except the tensors in ``kept``."""
-
-    def __init__(self, kept: tuple[torch.Tensor, ...]) -> None:
-        self._kept = {id(t) for t in kept}
-        self._bytes: dict[int, int] = {}  # id of a base tensor -> its bytes
-        self._tensors: list[torch.Tensor] = []  # alive until counted, so ids stay unique
-        self.paused = False
-        self.extra = 0  # bytes saved by kernels whose tensors are not seen
-
-    def add(self, t: torch.Tensor) -> None:
-        base = t if t._base is None else t._base
-        if id(t) not in self._kept and id(base) not in self._kept:
-            self._bytes[id(base)] = base.numel() * base.element_size()
-            self._tensors.append(base)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.paused:
-            self.add(t)
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._bytes.values()) + self.extra
-
-
-class FusedAttention(torch.overrides.TorchFunctionMode):
-    """scaled_dot_product_attention counted as torch's fused kernels (flash,
-    memory-efficient) save it for backward: query, key, value, the output
-    and an fp32 log-sum-exp per query row. On the meta device it runs
-    unfused, which would count the whole attention matrix, several times."""
-
-    def __init__(self, saved: SavedTensors) -> None:
-        super().__init__()
-        self._saved = saved
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        self._saved.paused = True
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            self._saved.paused = False
-        if out.requires_grad:
-            query, key, value = (*args, *(kwargs.get(k) for k in ("query", "key", "value")))[:3]
-            for t in (query, key, value, out):
-                self._saved.add(t)
-            self._saved.extra += query.shape[:-1].numel() * FP32
-        return out
-
-
-def _arguments(sample_input: SampleInput, convert: Any) -> tuple[tuple, dict]:
-    def each(value: Any) -> Any:
-        return convert(value) if isinstance(value, torch.Tensor) else value
-    if isinstance(sample_input, Mapping):
-        return (), {k: each(v) for k, v in sample_input.items()}
-    if isinstance(sample_input, tuple):
-        return tuple(each(v) for v in sample_input), {}
-    return (each(sample_input),), {}
 
 
 # Text.

@@ -29,7 +29,7 @@ from zcore.partition import Unit
 
 # Stage 2 keeps at most this many reduce-scatters in flight before retiring
 # the oldest, which bounds the transient unit-sized buffers.
-_MAX_IN_FLIGHT = 2
+MAX_REDUCES_IN_FLIGHT = 2
 
 
 class _UnitTracker:
@@ -258,7 +258,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
                 out.copy_(send)
                 work = None
             self._pending.append((u, out, send, work))
-            while len(self._pending) > _MAX_IN_FLIGHT:
+            while len(self._pending) > MAX_REDUCES_IN_FLIGHT:
                 self._retire(self._pending.pop(0))
 
     def _retire(self, entry: tuple[int, torch.Tensor, torch.Tensor, object]) -> None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 DEVICE, HOST, NVME = "device", "host", "nvme"
 TIERS = (DEVICE, HOST, NVME)
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
-_TIER_NAMES = {Tier.DEVICE: DEVICE, Tier.HOST: HOST, Tier.NVME: NVME}
+TIER_NAMES = {Tier.DEVICE: DEVICE, Tier.HOST: HOST, Tier.NVME: NVME}
 _SHARD_TIER_NAMES = {_C.ShardTier.DEVICE: DEVICE, _C.ShardTier.HOST: HOST, _C.ShardTier.NVME: NVME}
 _MIB = 2**20
 
@@ -152,8 +152,8 @@ def measure_memory(
         stage=stage.stage,
         world_size=stage.world_size,
         trainable_parameters=sum(u.numel for u in units),
-        parameter_tier=_TIER_NAMES[offload.parameters],
-        optimizer_tier=_TIER_NAMES[offload.optimizer],
+        parameter_tier=TIER_NAMES[offload.parameters],
+        optimizer_tier=TIER_NAMES[offload.optimizer],
         measured_tiers=measured.figures(),
         theoretical_tiers=theoretical.figures(),
     )
@@ -185,7 +185,7 @@ def _measure_gradients(optimizer: ShardedOptimizer, table: _Table) -> None:
 def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _Table) -> None:
     """In memory on the optimizer's tier (NVMe states pass through the host);
     on NVMe, the sub-groups' extents in the swap file."""
-    table.add("optimizer_states", HOST if tier is Tier.NVME else _TIER_NAMES[tier], optimizer.state_bytes())
+    table.add("optimizer_states", HOST if tier is Tier.NVME else TIER_NAMES[tier], optimizer.state_bytes())
     if tier is Tier.NVME:
         table.add("optimizer_states", NVME, optimizer.master.swap.stats().used)
 
@@ -211,7 +211,7 @@ def _theory_sharded_parameters(fetcher: ParamFetcher, offload: OffloadPolicy, wo
         if fetcher.persistent(g.index):
             table.add("parameters", DEVICE, full // world + full)
             continue
-        tier = _TIER_NAMES[offload.parameters]
+        tier = TIER_NAMES[offload.parameters]
         if offload.parameters is Tier.NVME:
             spilled = spilled or kept + g.shard_numel > offload.nvme_host_elements
             if not spilled:
@@ -233,4 +233,4 @@ def _theory_states(policies: Policies, units: list[Unit], device: torch.device, 
     table.add("gradients", NVME, reduced if swapped else 0)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, 4 * shard)
-    table.add("optimizer_states", _TIER_NAMES[offload.optimizer], 12 * shard)
+    table.add("optimizer_states", TIER_NAMES[offload.optimizer], 12 * shard)
