@@ -11,6 +11,7 @@ void bind_allocator(pybind11::module_& m);
 void bind_host_memory(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
+void bind_quantize(pybind11::module_& m);
 void bind_coordinator(pybind11::module_& m);
 void bind_aio_engine(pybind11::module_& m);
 void bind_buffer_pool(pybind11::module_& m);
