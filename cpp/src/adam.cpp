@@ -6,6 +6,7 @@
 #include <string>
 
 #include "adam_kernels.h"
+#include "kernel_checks.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/status.h"
 #include "zcore/thread_pool.h"
@@ -14,13 +15,18 @@ namespace zcore {
 namespace {
 
 using adam_kernels::Kernels;
+using kernel_checks::ByteRange;
+using kernel_checks::byte_range;
+using kernel_checks::check_pointer;
+using kernel_checks::check_threads;
+using kernel_checks::indexed;
+using kernel_checks::invalid;
 
 // Elements per task: large enough that handing out a task costs nothing next
 // to running it, small enough to balance two to dozens of threads. A multiple
 // of kBlock so that only a buffer's end can be a partial block.
 constexpr std::int64_t kChunk = 1 << 16;
 static_assert(kChunk % adam_kernels::kBlock == 0);
-constexpr int kMaxThreads = 1024;
 
 Kernels kernels_for(CpuIsa isa) {
   switch (isa) {
@@ -32,60 +38,16 @@ Kernels kernels_for(CpuIsa isa) {
   }
 }
 
-[[noreturn]] void invalid(const std::string& message,
-                          std::vector<std::pair<std::string, ErrorDetail>> details = {}) {
-  throw Error(StatusCode::kInvalidArgument, message, std::move(details));
-}
-
-std::string at(const char* what, std::size_t index) {
-  return std::string(what) + "[" + std::to_string(index) + "]";
-}
-
-void check_threads(int threads) {
-  if (threads < 1 || threads > kMaxThreads) {
-    invalid("threads=" + std::to_string(threads) + " is out of range; pass 1.." +
-                std::to_string(kMaxThreads) + " (e.g. torch.get_num_threads())",
-            {{"threads", std::int64_t{threads}}});
-  }
-}
-
 bool valid_dtype(DType dtype) { return dtype_size(dtype) != 0; }
-
-// A pointer must be non-null and aligned to its element size.
-void check_pointer(const void* ptr, std::int64_t element_size, const std::string& name) {
-  if (ptr == nullptr) invalid(name + " is null", {{"name", name}});
-  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  if (address % static_cast<std::uintptr_t>(element_size) != 0) {
-    invalid(name + " at address " + std::to_string(address) + " is not aligned to its element size " +
-                std::to_string(element_size) + "; pass a buffer that starts on an element boundary",
-            {{"name", name}, {"address", static_cast<std::int64_t>(address)},
-             {"alignment", element_size}});
-  }
-}
-
-// A buffer's bytes, named for error messages.
-struct Range {
-  std::string name;
-  std::uintptr_t begin;
-  std::uintptr_t end;
-};
-
-Range range_of(std::string name, const void* ptr, std::int64_t numel, std::int64_t element_size) {
-  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
-  return Range{std::move(name), begin, begin + static_cast<std::uintptr_t>(numel * element_size)};
-}
 
 // Buffers written in place must not share bytes with any other buffer of the
 // call: an element would be updated twice, or read after it was written.
-void check_disjoint(std::vector<Range> ranges) {
+// Sorted by start, two ranges can only overlap if neighbours do.
+void check_all_disjoint(std::vector<ByteRange> ranges) {
   std::sort(ranges.begin(), ranges.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+            [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
   for (std::size_t k = 1; k < ranges.size(); ++k) {
-    if (ranges[k].begin < ranges[k - 1].end) {
-      invalid(ranges[k - 1].name + " and " + ranges[k].name +
-                  " overlap in memory; pass distinct buffers",
-              {{"first", ranges[k - 1].name}, {"second", ranges[k].name}});
-    }
+    kernel_checks::check_disjoint(ranges[k - 1], ranges[k]);
   }
 }
 
@@ -109,35 +71,35 @@ void check_options(const AdamOptions& o) {
   }
 }
 
-void check_tensor(const AdamTensor& t, std::size_t i, std::vector<Range>& ranges) {
+void check_tensor(const AdamTensor& t, std::size_t i, std::vector<ByteRange>& ranges) {
   if (t.numel < 0) {
-    invalid(at("tensors", i) + ".numel=" + std::to_string(t.numel) + " is negative",
+    invalid(indexed("tensors", i) + ".numel=" + std::to_string(t.numel) + " is negative",
             {{"index", static_cast<std::int64_t>(i)}, {"numel", t.numel}});
   }
   if (!valid_dtype(t.grad_dtype)) {
-    invalid(at("tensors", i) + ": unsupported grad dtype " +
+    invalid(indexed("tensors", i) + ": unsupported grad dtype " +
                 std::to_string(static_cast<int>(t.grad_dtype)) + "; use float32, bfloat16 or float16",
             {{"index", static_cast<std::int64_t>(i)}});
   }
   if (t.params_out != nullptr && t.out_dtype != DType::kBFloat16 &&
       t.out_dtype != DType::kFloat16) {
-    invalid(at("tensors", i) + ": params_out dtype " + dtype_name(t.out_dtype) +
+    invalid(indexed("tensors", i) + ": params_out dtype " + dtype_name(t.out_dtype) +
                 " is not supported; the copy-out is bfloat16 or float16 (params are the fp32 copy)",
             {{"index", static_cast<std::int64_t>(i)}});
   }
   if (t.numel == 0) return;
-  const std::string prefix = at("tensors", i) + ".";
+  const std::string prefix = indexed("tensors", i) + ".";
   check_pointer(t.params, 4, prefix + "params");
   check_pointer(t.grads, dtype_size(t.grad_dtype), prefix + "grads");
   check_pointer(t.exp_avg, 4, prefix + "exp_avg");
   check_pointer(t.exp_avg_sq, 4, prefix + "exp_avg_sq");
-  ranges.push_back(range_of(prefix + "params", t.params, t.numel, 4));
-  ranges.push_back(range_of(prefix + "grads", t.grads, t.numel, dtype_size(t.grad_dtype)));
-  ranges.push_back(range_of(prefix + "exp_avg", t.exp_avg, t.numel, 4));
-  ranges.push_back(range_of(prefix + "exp_avg_sq", t.exp_avg_sq, t.numel, 4));
+  ranges.push_back(byte_range(prefix + "params", t.params, t.numel * 4));
+  ranges.push_back(byte_range(prefix + "grads", t.grads, t.numel * dtype_size(t.grad_dtype)));
+  ranges.push_back(byte_range(prefix + "exp_avg", t.exp_avg, t.numel * 4));
+  ranges.push_back(byte_range(prefix + "exp_avg_sq", t.exp_avg_sq, t.numel * 4));
   if (t.params_out != nullptr) {
     check_pointer(t.params_out, 2, prefix + "params_out");
-    ranges.push_back(range_of(prefix + "params_out", t.params_out, t.numel, 2));
+    ranges.push_back(byte_range(prefix + "params_out", t.params_out, t.numel * 2));
   }
 }
 
@@ -187,9 +149,9 @@ AdamScalars adam_scalars(const AdamOptions& o) {
 
 void check_adam_arguments(const AdamOptions& options, const std::vector<AdamTensor>& tensors) {
   check_options(options);
-  std::vector<Range> ranges;
+  std::vector<ByteRange> ranges;
   for (std::size_t i = 0; i < tensors.size(); ++i) check_tensor(tensors[i], i, ranges);
-  check_disjoint(std::move(ranges));
+  check_all_disjoint(std::move(ranges));
 }
 
 void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensors, int threads) {
@@ -209,23 +171,23 @@ void check_grad_buffers(const std::vector<GradBuffer>& buffers, double scale, bo
   if (!std::isfinite(scale)) {
     invalid("invalid scale=" + std::to_string(scale) + ": must be finite");
   }
-  std::vector<Range> ranges;
+  std::vector<ByteRange> ranges;
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     const GradBuffer& b = buffers[i];
     if (b.numel < 0) {
-      invalid(at("buffers", i) + ".numel=" + std::to_string(b.numel) + " is negative",
+      invalid(indexed("buffers", i) + ".numel=" + std::to_string(b.numel) + " is negative",
               {{"index", static_cast<std::int64_t>(i)}, {"numel", b.numel}});
     }
     if (!valid_dtype(b.dtype)) {
-      invalid(at("buffers", i) + ": unsupported dtype " + std::to_string(static_cast<int>(b.dtype)) +
-                  "; use float32, bfloat16 or float16",
+      invalid(indexed("buffers", i) + ": unsupported dtype " +
+                  std::to_string(static_cast<int>(b.dtype)) + "; use float32, bfloat16 or float16",
               {{"index", static_cast<std::int64_t>(i)}});
     }
     if (b.numel == 0) continue;
-    check_pointer(b.data, dtype_size(b.dtype), at("buffers", i));
-    ranges.push_back(range_of(at("buffers", i), b.data, b.numel, dtype_size(b.dtype)));
+    check_pointer(b.data, dtype_size(b.dtype), indexed("buffers", i));
+    ranges.push_back(byte_range(indexed("buffers", i), b.data, b.numel * dtype_size(b.dtype)));
   }
-  if (write_back) check_disjoint(std::move(ranges));
+  if (write_back) check_all_disjoint(std::move(ranges));
 }
 
 GradStats unscale_and_check(const std::vector<GradBuffer>& buffers, double scale,

@@ -11,10 +11,10 @@
 //
 // V provides: kWidth (floats per register), kDPerBlock (double registers per
 // kBlock floats), F and D register types, load/store, load_bf16/load_fp16,
-// store_bf16/store_fp16 (round to nearest even), set1, add, sub, mul, div,
-// sqrt, fma(a, b, c) = a * b + c rounded once, dzero, add_squares(acc, x,
-// part) which adds the exact squares of the kWidth floats of x to the double
-// lanes part * kWidth ... of the block, and store_lanes.
+// store_bf16/store_fp16 (round to nearest even; these from simd_io_*.h), set1,
+// add, sub, mul, div, sqrt, fma(a, b, c) = a * b + c rounded once, dzero,
+// add_squares(acc, x, part) which adds the exact squares of the kWidth floats
+// of x to the double lanes part * kWidth ... of the block, and store_lanes.
 #pragma once
 
 #include <cstdint>
@@ -22,47 +22,19 @@
 #include <type_traits>
 
 #include "adam_kernels.h"
+#include "simd_elements.h"
 
 namespace zcore::adam_kernels {
 namespace {
 
-struct Bf16 {};   // element tags for the 16-bit formats
-struct Fp16 {};
 struct NoOut {};  // no low-precision copy of the parameters
-
-template <class T>
-constexpr std::int64_t element_size() {
-  return std::is_same_v<T, float> ? 4 : 2;
-}
-
-template <class V, class T>
-typename V::F load_as_float(const void* base, std::int64_t i) {
-  if constexpr (std::is_same_v<T, float>) {
-    return V::load(static_cast<const float*>(base) + i);
-  } else if constexpr (std::is_same_v<T, Bf16>) {
-    return V::load_bf16(static_cast<const std::uint16_t*>(base) + i);
-  } else {
-    return V::load_fp16(static_cast<const std::uint16_t*>(base) + i);
-  }
-}
-
-template <class V, class T>
-void store_from_float(void* base, std::int64_t i, typename V::F x) {
-  if constexpr (std::is_same_v<T, float>) {
-    V::store(static_cast<float*>(base) + i, x);
-  } else if constexpr (std::is_same_v<T, Bf16>) {
-    V::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
-  } else if constexpr (std::is_same_v<T, Fp16>) {
-    V::store_fp16(static_cast<std::uint16_t*>(base) + i, x);
-  }
-}
 
 // One register of elements starting at i, in torch's operation order.
 template <class V, class G, class O>
 void adam_register(const AdamScalars& c, float* p, const void* g, float* m, float* v,
                    void* out, std::int64_t i) {
   using F = typename V::F;
-  F grad = V::mul(load_as_float<V, G>(g, i), V::set1(c.grad_scale));
+  F grad = V::mul(simd::load_as_float<V, G>(g, i), V::set1(c.grad_scale));
   F param = V::load(p + i);
   if (c.decay == WeightDecay::kDecoupled) {
     param = V::mul(param, V::set1(c.decay_factor));
@@ -87,7 +59,7 @@ void adam_register(const AdamScalars& c, float* p, const void* g, float* m, floa
   V::store(p + i, param);
   V::store(m + i, mom);
   V::store(v + i, sq);
-  store_from_float<V, O>(out, i, param);
+  if constexpr (!std::is_same_v<O, NoOut>) simd::store_from_float<V, O>(out, i, param);
 }
 
 template <class V, class G, class O>
@@ -109,8 +81,8 @@ void adam_range_typed(const AdamScalars& c, const AdamTensor& t, std::int64_t be
   std::memcpy(p, t.params + full_end, n * 4);
   std::memcpy(m, t.exp_avg + full_end, n * 4);
   std::memcpy(v, t.exp_avg_sq + full_end, n * 4);
-  std::memcpy(g, static_cast<const unsigned char*>(t.grads) + full_end * element_size<G>(),
-              n * element_size<G>());
+  std::memcpy(g, static_cast<const unsigned char*>(t.grads) + full_end * simd::element_size<G>(),
+              n * simd::element_size<G>());
   for (std::int64_t i = 0; i < kBlock; i += V::kWidth) {
     adam_register<V, G, O>(c, p, g, m, v, out, i);
   }
@@ -128,9 +100,9 @@ void adam_range_grad(const AdamScalars& c, const AdamTensor& t, std::int64_t beg
   if (t.params_out == nullptr) {
     adam_range_typed<V, G, NoOut>(c, t, begin, end);
   } else if (t.out_dtype == DType::kBFloat16) {
-    adam_range_typed<V, G, Bf16>(c, t, begin, end);
+    adam_range_typed<V, G, simd::Bf16>(c, t, begin, end);
   } else {
-    adam_range_typed<V, G, Fp16>(c, t, begin, end);
+    adam_range_typed<V, G, simd::Fp16>(c, t, begin, end);
   }
 }
 
@@ -139,8 +111,8 @@ void adam_range(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                 std::int64_t end) {
   switch (t.grad_dtype) {
     case DType::kFloat32: adam_range_grad<V, float>(c, t, begin, end); break;
-    case DType::kBFloat16: adam_range_grad<V, Bf16>(c, t, begin, end); break;
-    case DType::kFloat16: adam_range_grad<V, Fp16>(c, t, begin, end); break;
+    case DType::kBFloat16: adam_range_grad<V, simd::Bf16>(c, t, begin, end); break;
+    case DType::kFloat16: adam_range_grad<V, simd::Fp16>(c, t, begin, end); break;
   }
 }
 
@@ -152,8 +124,8 @@ double sum_sq_typed(const GradBuffer& b, float scale, bool write_back, std::int6
   const auto block = [&](void* data, std::int64_t i) {
     for (int part = 0; part < kBlock / V::kWidth; ++part) {
       const std::int64_t at = i + part * V::kWidth;
-      const typename V::F x = V::mul(load_as_float<V, T>(data, at), V::set1(scale));
-      if (write_back) store_from_float<V, T>(data, at, x);
+      const typename V::F x = V::mul(simd::load_as_float<V, T>(data, at), V::set1(scale));
+      if (write_back) simd::store_from_float<V, T>(data, at, x);
       V::add_squares(acc, x, part);
     }
   };
@@ -163,10 +135,10 @@ double sum_sq_typed(const GradBuffer& b, float scale, bool write_back, std::int6
   if (n > 0) {
     // Zero padding adds exact zeros to the lanes.
     alignas(64) unsigned char tail[kBlock * 4] = {};
-    unsigned char* src = static_cast<unsigned char*>(b.data) + full_end * element_size<T>();
-    std::memcpy(tail, src, n * element_size<T>());
+    unsigned char* src = static_cast<unsigned char*>(b.data) + full_end * simd::element_size<T>();
+    std::memcpy(tail, src, n * simd::element_size<T>());
     block(tail, 0);
-    if (write_back) std::memcpy(src, tail, n * element_size<T>());
+    if (write_back) std::memcpy(src, tail, n * simd::element_size<T>());
   }
   alignas(64) double lanes[kBlock];
   V::store_lanes(acc, lanes);
@@ -180,8 +152,8 @@ double sum_sq_range(const GradBuffer& b, float scale, bool write_back, std::int6
                     std::int64_t end) {
   switch (b.dtype) {
     case DType::kFloat32: return sum_sq_typed<V, float>(b, scale, write_back, begin, end);
-    case DType::kBFloat16: return sum_sq_typed<V, Bf16>(b, scale, write_back, begin, end);
-    case DType::kFloat16: return sum_sq_typed<V, Fp16>(b, scale, write_back, begin, end);
+    case DType::kBFloat16: return sum_sq_typed<V, simd::Bf16>(b, scale, write_back, begin, end);
+    case DType::kFloat16: return sum_sq_typed<V, simd::Fp16>(b, scale, write_back, begin, end);
   }
   return 0.0;
 }

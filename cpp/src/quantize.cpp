@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "kernel_checks.h"
 #include "quantize_kernels.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/status.h"
@@ -13,12 +14,18 @@
 namespace zcore {
 namespace {
 
+using kernel_checks::ByteRange;
+using kernel_checks::byte_range;
+using kernel_checks::check_disjoint;
+using kernel_checks::check_pointer;
+using kernel_checks::check_threads;
+using kernel_checks::indexed;
+using kernel_checks::invalid;
 using quantize_kernels::Kernels;
 
 // Elements per task, rounded to whole blocks (at least one): as in adam.cpp,
 // large next to the cost of handing out a task, small enough to balance.
 constexpr std::int64_t kChunk = 1 << 16;
-constexpr int kMaxThreads = 1024;
 
 Kernels kernels_for(CpuIsa isa) {
   switch (isa) {
@@ -27,19 +34,6 @@ Kernels kernels_for(CpuIsa isa) {
     case CpuIsa::kAvx2: return quantize_kernels::avx2_kernels();
 #endif
     default: return quantize_kernels::scalar_kernels();
-  }
-}
-
-[[noreturn]] void invalid(const std::string& message,
-                          std::vector<std::pair<std::string, ErrorDetail>> details = {}) {
-  throw Error(StatusCode::kInvalidArgument, message, std::move(details));
-}
-
-void check_threads(int threads) {
-  if (threads < 1 || threads > kMaxThreads) {
-    invalid("threads=" + std::to_string(threads) + " is out of range; pass 1.." +
-                std::to_string(kMaxThreads) + " (e.g. torch.get_num_threads())",
-            {{"threads", std::int64_t{threads}}});
   }
 }
 
@@ -55,51 +49,14 @@ void check_dtype(DType dtype, const std::string& name) {
   }
 }
 
-// A pointer must be non-null and aligned to its element size.
-void check_pointer(const void* ptr, std::int64_t element_size, const std::string& name) {
-  if (ptr == nullptr) invalid(name + " is null", {{"name", name}});
-  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  if (address % static_cast<std::uintptr_t>(element_size) != 0) {
-    invalid(name + " at address " + std::to_string(address) + " is not aligned to its element size " +
-                std::to_string(element_size) + "; pass a buffer that starts on an element boundary",
-            {{"name", name}, {"address", static_cast<std::int64_t>(address)},
-             {"alignment", element_size}});
-  }
-}
-
-// A buffer's bytes, named for error messages.
-struct Range {
-  std::string name;
-  std::uintptr_t begin;
-  std::uintptr_t end;
-};
-
-Range range_of(std::string name, const void* ptr, std::int64_t bytes) {
-  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
-  return Range{std::move(name), begin, begin + static_cast<std::uintptr_t>(bytes)};
-}
-
-// What a call writes must not share bytes with what it reads: a block would
-// read codes, scales or inputs that another block has already overwritten.
-void check_disjoint(const Range& written, const Range& read) {
-  if (written.begin < read.end && read.begin < written.end) {
-    invalid(written.name + " and " + read.name + " overlap in memory; pass distinct buffers",
-            {{"first", written.name}, {"second", read.name}});
-  }
-}
-
-std::string at(const char* what, std::size_t index) {
-  return std::string(what) + "[" + std::to_string(index) + "]";
-}
-
 // The codes and scales of one quantized buffer, checked and named.
-std::pair<Range, Range> check_quantized(const QuantFormat& format, const void* codes,
-                                        const float* scales, std::int64_t numel,
-                                        const std::string& name) {
+std::pair<ByteRange, ByteRange> check_quantized(const QuantFormat& format, const void* codes,
+                                                const float* scales, std::int64_t numel,
+                                                const std::string& name) {
   check_pointer(codes, 1, name + ".codes");
   check_pointer(scales, 4, name + ".scales");
-  return {range_of(name + ".codes", codes, quantized_bytes(format, numel)),
-          range_of(name + ".scales", scales, scale_count(format, numel) * 4)};
+  return {byte_range(name + ".codes", codes, quantized_bytes(format, numel)),
+          byte_range(name + ".scales", scales, scale_count(format, numel) * 4)};
 }
 
 // Runs kernel(first_block, last_block) over every block, whole blocks per task.
@@ -143,6 +100,9 @@ std::int64_t scale_count(const QuantFormat& format, std::int64_t numel) {
   return numel / format.block + (numel % format.block != 0 ? 1 : 0);
 }
 
+// In the checks below, what a call writes must not share bytes with what it
+// reads: a block would read codes, scales or inputs that another block has
+// already overwritten.
 void check_quantize_arguments(const QuantFormat& format, const void* input, DType input_dtype,
                               std::int64_t numel, const void* codes, const float* scales) {
   check_quant_format(format);
@@ -151,7 +111,7 @@ void check_quantize_arguments(const QuantFormat& format, const void* input, DTyp
   if (numel == 0) return;
   check_pointer(input, dtype_size(input_dtype), "input");
   const auto [codes_range, scales_range] = check_quantized(format, codes, scales, numel, "output");
-  const Range input_range = range_of("input", input, numel * dtype_size(input_dtype));
+  const ByteRange input_range = byte_range("input", input, numel * dtype_size(input_dtype));
   check_disjoint(codes_range, input_range);
   check_disjoint(scales_range, input_range);
   check_disjoint(codes_range, scales_range);
@@ -166,7 +126,7 @@ void check_dequantize_arguments(const QuantFormat& format, const QuantizedInput&
   const auto [codes_range, scales_range] =
       check_quantized(format, input.codes, input.scales, numel, "input");
   check_pointer(output, dtype_size(output_dtype), "output");
-  const Range output_range = range_of("output", output, numel * dtype_size(output_dtype));
+  const ByteRange output_range = byte_range("output", output, numel * dtype_size(output_dtype));
   check_disjoint(output_range, codes_range);
   check_disjoint(output_range, scales_range);
 }
@@ -178,10 +138,10 @@ void check_dequantize_add_arguments(const QuantFormat& format,
   check_numel(numel);
   if (numel == 0 || inputs.empty()) return;
   check_pointer(acc, 4, "acc");
-  const Range acc_range = range_of("acc", acc, numel * 4);
+  const ByteRange acc_range = byte_range("acc", acc, numel * 4);
   for (std::size_t k = 0; k < inputs.size(); ++k) {
     const auto [codes_range, scales_range] =
-        check_quantized(format, inputs[k].codes, inputs[k].scales, numel, at("inputs", k));
+        check_quantized(format, inputs[k].codes, inputs[k].scales, numel, indexed("inputs", k));
     check_disjoint(acc_range, codes_range);
     check_disjoint(acc_range, scales_range);
   }

@@ -12,9 +12,10 @@
 //
 // V provides: kWidth (elements per register, even), F (kWidth floats) and I
 // (kWidth int32) register types; load/load_bf16/load_fp16 and
-// store/store_bf16/store_fp16 (round to nearest even); set1, div, mul, add;
-// round_even (half to even, whatever the FP environment's rounding mode),
-// clamp(x, lo, hi), to_int (of an integral float), to_float;
+// store/store_bf16/store_fp16 (round to nearest even; these from
+// simd_io_*.h); set1, div, mul, add; round_even (half to even, whatever the
+// FP environment's rounding mode), clamp(x, lo, hi), to_int (of an integral
+// float), to_float;
 // izero, max_abs_bits(acc, x) (lane-wise max of acc and x's bits with the
 // sign cleared), reduce_max; load_int8/store_int8 (kWidth codes) and
 // load_int4/store_int4 (kWidth / 2 bytes, low nibble first).
@@ -23,24 +24,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "quantize_kernels.h"
+#include "simd_elements.h"
 
 namespace zcore::quantize_kernels {
 namespace {
 
-struct Bf16 {};  // element tags for the 16-bit formats
-struct Fp16 {};
-
 // Bit patterns at or above this (with the sign cleared) are Inf or NaN.
 constexpr std::uint32_t kInfBits = 0x7F800000u;
-
-template <class T>
-constexpr std::int64_t element_size() {
-  return std::is_same_v<T, float> ? 4 : 2;
-}
 
 template <int Bits>
 constexpr float max_code() {
@@ -61,28 +54,6 @@ unsigned char* codes_at(void* codes, std::int64_t element) {
 template <int Bits>
 const unsigned char* codes_at(const void* codes, std::int64_t element) {
   return static_cast<const unsigned char*>(codes) + (Bits == 8 ? element : element / 2);
-}
-
-template <class V, class T>
-typename V::F load_as_float(const void* base, std::int64_t i) {
-  if constexpr (std::is_same_v<T, float>) {
-    return V::load(static_cast<const float*>(base) + i);
-  } else if constexpr (std::is_same_v<T, Bf16>) {
-    return V::load_bf16(static_cast<const std::uint16_t*>(base) + i);
-  } else {
-    return V::load_fp16(static_cast<const std::uint16_t*>(base) + i);
-  }
-}
-
-template <class V, class T>
-void store_from_float(void* base, std::int64_t i, typename V::F x) {
-  if constexpr (std::is_same_v<T, float>) {
-    V::store(static_cast<float*>(base) + i, x);
-  } else if constexpr (std::is_same_v<T, Bf16>) {
-    V::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
-  } else {
-    V::store_fp16(static_cast<std::uint16_t*>(base) + i, x);
-  }
 }
 
 template <class V, int Bits>
@@ -122,15 +93,15 @@ void quantize_block(const void* input, std::int64_t begin, std::int64_t n, void*
   alignas(64) unsigned char padded_input[V::kWidth * 4] = {};  // zeros leave the maximum alone
   if (tail > 0) {
     std::memcpy(padded_input,
-                static_cast<const unsigned char*>(input) + (begin + full) * element_size<T>(),
-                tail * element_size<T>());
+                static_cast<const unsigned char*>(input) + (begin + full) * simd::element_size<T>(),
+                tail * simd::element_size<T>());
   }
 
   typename V::I acc = V::izero();
   for (std::int64_t i = 0; i < full; i += V::kWidth) {
-    acc = V::max_abs_bits(acc, load_as_float<V, T>(input, begin + i));
+    acc = V::max_abs_bits(acc, simd::load_as_float<V, T>(input, begin + i));
   }
-  if (tail > 0) acc = V::max_abs_bits(acc, load_as_float<V, T>(padded_input, 0));
+  if (tail > 0) acc = V::max_abs_bits(acc, simd::load_as_float<V, T>(padded_input, 0));
   const auto max_bits = static_cast<std::uint32_t>(V::reduce_max(acc));
 
   float scale = 0.0f;
@@ -154,11 +125,11 @@ void quantize_block(const void* input, std::int64_t begin, std::int64_t n, void*
   };
   for (std::int64_t i = 0; i < full; i += V::kWidth) {
     store_codes<V, Bits>(codes_at<Bits>(codes, begin + i),
-                         encode(load_as_float<V, T>(input, begin + i)));
+                         encode(simd::load_as_float<V, T>(input, begin + i)));
   }
   if (tail > 0) {
     alignas(64) unsigned char padded_codes[V::kWidth] = {};
-    store_codes<V, Bits>(padded_codes, encode(load_as_float<V, T>(padded_input, 0)));
+    store_codes<V, Bits>(padded_codes, encode(simd::load_as_float<V, T>(padded_input, 0)));
     std::memcpy(codes_at<Bits>(codes, begin + full), padded_codes, code_bytes<Bits>(tail));
   }
 }
@@ -192,10 +163,10 @@ void quantize_range(const QuantFormat& f, const void* input, DType input_dtype,
       quantize_input<V, float>(f, input, numel, codes, scales, first_block, last_block);
       break;
     case DType::kBFloat16:
-      quantize_input<V, Bf16>(f, input, numel, codes, scales, first_block, last_block);
+      quantize_input<V, simd::Bf16>(f, input, numel, codes, scales, first_block, last_block);
       break;
     case DType::kFloat16:
-      quantize_input<V, Fp16>(f, input, numel, codes, scales, first_block, last_block);
+      quantize_input<V, simd::Fp16>(f, input, numel, codes, scales, first_block, last_block);
       break;
   }
 }
@@ -208,16 +179,16 @@ void dequantize_block(const void* codes, float scale, std::int64_t begin, std::i
   const auto decode = [&](typename V::I q) { return V::mul(V::to_float(q), factor); };
   const std::int64_t full = n / V::kWidth * V::kWidth;
   for (std::int64_t i = 0; i < full; i += V::kWidth) {
-    store_from_float<V, O>(output, begin + i,
-                           decode(load_codes<V, Bits>(codes_at<Bits>(codes, begin + i))));
+    simd::store_from_float<V, O>(output, begin + i,
+                                 decode(load_codes<V, Bits>(codes_at<Bits>(codes, begin + i))));
   }
   const std::int64_t tail = n - full;
   if (tail == 0) return;
   alignas(64) unsigned char padded_output[V::kWidth * 4];
-  store_from_float<V, O>(padded_output, 0,
-                         decode(load_codes_partial<V, Bits>(codes, begin + full, tail)));
-  std::memcpy(static_cast<unsigned char*>(output) + (begin + full) * element_size<O>(),
-              padded_output, tail * element_size<O>());
+  simd::store_from_float<V, O>(padded_output, 0,
+                               decode(load_codes_partial<V, Bits>(codes, begin + full, tail)));
+  std::memcpy(static_cast<unsigned char*>(output) + (begin + full) * simd::element_size<O>(),
+              padded_output, tail * simd::element_size<O>());
 }
 
 template <class V, class O, int Bits>
@@ -249,10 +220,10 @@ void dequantize_range(const QuantFormat& f, const QuantizedInput& in, std::int64
       dequantize_output<V, float>(f, in, numel, output, first_block, last_block);
       break;
     case DType::kBFloat16:
-      dequantize_output<V, Bf16>(f, in, numel, output, first_block, last_block);
+      dequantize_output<V, simd::Bf16>(f, in, numel, output, first_block, last_block);
       break;
     case DType::kFloat16:
-      dequantize_output<V, Fp16>(f, in, numel, output, first_block, last_block);
+      dequantize_output<V, simd::Fp16>(f, in, numel, output, first_block, last_block);
       break;
   }
 }

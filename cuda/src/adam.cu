@@ -9,16 +9,16 @@
 // The update uses the _rn intrinsics (no contraction into fma except where
 // the CPU kernels use an fma) in the operation order of cpp/src/adam_simd.h,
 // so a device step gives the same bits as a CPU step.
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cub/block/block_reduce.cuh>
 #include <string>
 
 #include "zcore/cuda/adam.h"
 #include "check.h"
+#include "convert.cuh"
+#include "grid.h"
 #include "zcore/cuda/runtime.h"
 #include "zcore/status.h"
 
@@ -41,31 +41,6 @@ struct DeviceTensor {
   int grad_dtype;
   int out_dtype;             // kNoOut when there is no copy-out
 };
-
-__device__ __forceinline__ float load_as_float(const void* base, std::int64_t i, int dtype) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat32): return static_cast<const float*>(base)[i];
-    case static_cast<int>(DType::kBFloat16):
-      return __uint_as_float(static_cast<unsigned>(static_cast<const unsigned short*>(base)[i]) << 16);
-    default: return __half2float(static_cast<const __half*>(base)[i]);
-  }
-}
-
-// Round to nearest even as c10::BFloat16 (and the CPU kernels) do.
-__device__ __forceinline__ unsigned short to_bf16(float x) {
-  if (isnan(x)) return 0x7FC0;
-  const unsigned w = __float_as_uint(x);
-  return static_cast<unsigned short>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ void store_from_float(void* base, std::int64_t i, int dtype, float x) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat32): static_cast<float*>(base)[i] = x; break;
-    case static_cast<int>(DType::kBFloat16): static_cast<unsigned short*>(base)[i] = to_bf16(x); break;
-    case static_cast<int>(DType::kFloat16): static_cast<__half*>(base)[i] = __float2half_rn(x); break;
-    default: break;
-  }
-}
 
 template <class T>
 __device__ int find_owner(const T* items, int count, std::int64_t chunk) {
@@ -161,14 +136,8 @@ __global__ void sum_sq_kernel(const DeviceBuffer* buffers, int count, std::int64
 
 std::int64_t chunks_of(std::int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
-int grid_for(std::int64_t chunks) {
-  int device = 0;
-  int sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(multiProcessorCount)");
-  return static_cast<int>(std::min<std::int64_t>(chunks, std::int64_t{sms} * 8));
-}
+// A CTA per chunk, up to 8 CTAs per multiprocessor.
+int grid_for(std::int64_t chunks) { return grid_size(chunks, 8); }
 
 // Device copy of a host array, freed in stream order once the launch is done.
 template <class T>

@@ -9,13 +9,14 @@
 // Every operation is an IEEE fp32 one (_rn intrinsics, rintf for round half
 // to even), in the order of cpp/src/quantize_simd.h, so that codes, scales
 // and decoded values are the CPU kernels' bits.
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "check.h"
+#include "convert.cuh"
+#include "grid.h"
 #include "zcore/cuda/quantize.h"
 #include "zcore/cuda/runtime.h"
 #include "zcore/status.h"
@@ -36,30 +37,6 @@ struct InputBatch {
   const float* scales[kMaxInputsPerLaunch];
   int count;
 };
-
-__device__ __forceinline__ float load_as_float(const void* base, std::int64_t i, int dtype) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat32): return static_cast<const float*>(base)[i];
-    case static_cast<int>(DType::kBFloat16):
-      return __uint_as_float(static_cast<unsigned>(static_cast<const unsigned short*>(base)[i]) << 16);
-    default: return __half2float(static_cast<const __half*>(base)[i]);
-  }
-}
-
-// Round to nearest even as c10::BFloat16 (and the CPU kernels) do.
-__device__ __forceinline__ unsigned short to_bf16(float x) {
-  if (isnan(x)) return 0x7FC0;
-  const unsigned w = __float_as_uint(x);
-  return static_cast<unsigned short>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ void store_from_float(void* base, std::int64_t i, int dtype, float x) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat32): static_cast<float*>(base)[i] = x; break;
-    case static_cast<int>(DType::kBFloat16): static_cast<unsigned short*>(base)[i] = to_bf16(x); break;
-    default: static_cast<__half*>(base)[i] = __float2half_rn(x); break;
-  }
-}
 
 template <int Bits>
 __device__ __forceinline__ float max_code() {
@@ -165,13 +142,7 @@ __global__ void dequantize_add_kernel(InputBatch inputs, std::int64_t numel, std
 
 // Enough warps to cover every block, up to 16 CTAs per multiprocessor.
 int grid_for(std::int64_t blocks) {
-  int device = 0;
-  int sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(multiProcessorCount)");
-  const std::int64_t ctas = (blocks + kWarpsPerCta - 1) / kWarpsPerCta;
-  return static_cast<int>(std::min<std::int64_t>(ctas, std::int64_t{sms} * 16));
+  return grid_size((blocks + kWarpsPerCta - 1) / kWarpsPerCta, 16);
 }
 
 }  // namespace

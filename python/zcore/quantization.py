@@ -26,15 +26,11 @@ import torch
 
 from zcore import _C
 from zcore.errors import InvalidArgumentError
+from zcore.optim._tensors import NATIVE_DTYPES, check_tensor, dtype_names, kernel_device
 
 __all__ = ["code_dtype", "dequantize", "dequantize_add", "quantize", "quantized_shapes"]
 
-_NATIVE_DTYPES = {
-    torch.float32: _C.DType.FLOAT32,
-    torch.bfloat16: _C.DType.BFLOAT16,
-    torch.float16: _C.DType.FLOAT16,
-}
-_FLOAT_DTYPES = tuple(_NATIVE_DTYPES)
+_FLOAT_DTYPES = tuple(NATIVE_DTYPES)
 
 
 def code_dtype(bits: int) -> torch.dtype:
@@ -55,11 +51,11 @@ def quantize(
     """Quantizes every element of ``x`` (fp32, bf16 or fp16, contiguous, any
     shape, CPU or CUDA): returns ``(codes, scales)``, flat, on ``x``'s device."""
     fmt = _format(bits, block)
-    x = _check(x, "x", _FLOAT_DTYPES, _device_of(x, "x"))
+    x = check_tensor(x, "x", _FLOAT_DTYPES, kernel_device(x, "x"))
     numel = x.numel()
     codes = torch.empty(_C.quantized_bytes(fmt, numel), dtype=code_dtype(bits), device=x.device)
     scales = torch.empty(_C.scale_count(fmt, numel), dtype=torch.float32, device=x.device)
-    args = (fmt, x.data_ptr(), _NATIVE_DTYPES[x.dtype], numel, codes.data_ptr(), scales.data_ptr())
+    args = (fmt, x.data_ptr(), NATIVE_DTYPES[x.dtype], numel, codes.data_ptr(), scales.data_ptr())
     if x.device.type == "cpu":
         _C.quantize(*args, _threads(num_threads))
     else:
@@ -85,15 +81,15 @@ def dequantize(
     fmt = _format(bits, block)
     if dtype not in _FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"dtype={dtype} is not supported; decode to one of: {_names(_FLOAT_DTYPES)}", dtype=str(dtype)
+            f"dtype={dtype} is not supported; decode to one of: {dtype_names(_FLOAT_DTYPES)}", dtype=str(dtype)
         )
-    device = _device_of(q, "q")
+    device = kernel_device(q, "q")
     source = _check_quantized(q, scales, fmt, numel, device, "q", "scales")
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=device)
     else:
-        _check(out, "out", (dtype,), device, numel)
-    args = (fmt, source, numel, out.data_ptr(), _NATIVE_DTYPES[dtype])
+        check_tensor(out, "out", (dtype,), device, numel)
+    args = (fmt, source, numel, out.data_ptr(), NATIVE_DTYPES[dtype])
     if device.type == "cpu":
         _C.dequantize(*args, _threads(num_threads))
     else:
@@ -115,8 +111,8 @@ def dequantize_add(
     returns ``acc``: the reduce side of a quantized reduce-scatter. Same bits
     as ``acc += dequantize(...)`` once per pair, with ``acc`` read once."""
     fmt = _format(bits, block)
-    device = _device_of(acc, "acc")
-    _check(acc, "acc", (torch.float32,), device)
+    device = kernel_device(acc, "acc")
+    check_tensor(acc, "acc", (torch.float32,), device)
     numel = acc.numel()
     inputs = []
     for k, pair in enumerate(pairs):
@@ -142,57 +138,6 @@ def _format(bits: int, block: int) -> _C.QuantFormat:
     return fmt
 
 
-def _names(dtypes: Sequence[torch.dtype]) -> str:
-    return ", ".join(str(d) for d in dtypes)
-
-
-def _device_of(tensor: object, name: str) -> torch.device:
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", name=name)
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(
-            f"{name} is on device={tensor.device}; zcore's kernels run on cpu and cuda",
-            name=name,
-            device=str(tensor.device),
-        )
-    return tensor.device
-
-
-def _check(
-    tensor: object, name: str, dtypes: Sequence[torch.dtype], device: torch.device, numel: int | None = None
-) -> torch.Tensor:
-    """``tensor`` if it is a dense, contiguous tensor of an accepted dtype on
-    ``device`` (with ``numel`` elements when given); else raises."""
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", name=name)
-    if tensor.layout != torch.strided:
-        raise InvalidArgumentError(f"{name} has layout={tensor.layout}; only dense tensors are supported", name=name)
-    if tensor.dtype not in dtypes:
-        raise InvalidArgumentError(
-            f"{name} has dtype={tensor.dtype}; expected {_names(dtypes)}", name=name, dtype=str(tensor.dtype)
-        )
-    if tensor.device != device:
-        raise InvalidArgumentError(
-            f"{name} is on device={tensor.device} but the call runs on {device}; move it there",
-            name=name,
-            device=str(tensor.device),
-        )
-    if not tensor.is_contiguous():
-        raise InvalidArgumentError(
-            f"{name} is not contiguous (shape={tuple(tensor.shape)}, stride={tensor.stride()}); "
-            "pass .contiguous()",
-            name=name,
-        )
-    if numel is not None and tensor.numel() != numel:
-        raise InvalidArgumentError(
-            f"{name} has {tensor.numel()} elements (shape={tuple(tensor.shape)}); {numel} are needed",
-            name=name,
-            numel=tensor.numel(),
-            expected=numel,
-        )
-    return tensor
-
-
 def _check_quantized(
     codes: object,
     scales: object,
@@ -212,8 +157,8 @@ def _check_quantized(
             name=codes_name,
             dtype=str(codes.dtype),
         )
-    _check(codes, codes_name, (code_dtype(fmt.bits),), device, _C.quantized_bytes(fmt, numel))
-    _check(scales, scales_name, (torch.float32,), device, _C.scale_count(fmt, numel))
+    check_tensor(codes, codes_name, (code_dtype(fmt.bits),), device, _C.quantized_bytes(fmt, numel))
+    check_tensor(scales, scales_name, (torch.float32,), device, _C.scale_count(fmt, numel))
     return _C.QuantizedInput(codes.data_ptr(), scales.data_ptr())
 
 

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -12,60 +11,21 @@
 #include <tuple>
 #include <vector>
 
+#include "expect_error.h"
+#include "half_reference.h"
+#include "isa_scope.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/status.h"
 
 namespace zcore {
 namespace {
 
+// Reference conversions, ISA levels and error checks shared by the kernel tests.
+using namespace testing_support;
+
 constexpr std::int64_t kOneMillionAndThree = (1 << 20) + 3;
 
 // ---------------------------------------------------------------- helpers --
-
-float bits_to_float(std::uint32_t w) {
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-std::uint32_t float_bits(float f) {
-  std::uint32_t w;
-  std::memcpy(&w, &f, 4);
-  return w;
-}
-
-float bf16_to_float(std::uint16_t h) { return bits_to_float(static_cast<std::uint32_t>(h) << 16); }
-
-// Round to nearest even by exact arithmetic on the value, independent of the
-// kernels' bit trick: the two bf16 neighbours and the distance to each.
-std::uint16_t reference_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  const std::uint32_t w = float_bits(f);
-  const auto down = static_cast<std::uint16_t>(w >> 16);
-  const auto up = static_cast<std::uint16_t>(down + 1);
-  const double lo = bf16_to_float(down);
-  const double hi = std::isinf(lo) ? lo : static_cast<double>(bf16_to_float(up));
-  const double x = f;
-  if ((w & 0xFFFF) == 0) return down;
-  const double d_lo = std::fabs(x - lo);
-  const double d_hi = std::isinf(hi) ? std::ldexp(1.0, 128) - std::fabs(x) : std::fabs(hi - x);
-  if (d_lo < d_hi) return down;
-  if (d_hi < d_lo) return up;
-  return (down & 1) ? up : down;
-}
-
-float fp16_to_float(std::uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return static_cast<float>(x);
-}
-
-std::uint16_t reference_fp16(float f) {
-  const _Float16 x = static_cast<_Float16>(f);  // the compiler's IEEE conversion
-  std::uint16_t h;
-  std::memcpy(&h, &x, 2);
-  return h;
-}
 
 std::uint16_t to_half_bits(float f, DType dtype) {
   return dtype == DType::kBFloat16 ? reference_bf16(f) : reference_fp16(f);
@@ -74,26 +34,6 @@ std::uint16_t to_half_bits(float f, DType dtype) {
 float from_half_bits(std::uint16_t h, DType dtype) {
   return dtype == DType::kBFloat16 ? bf16_to_float(h) : fp16_to_float(h);
 }
-
-std::vector<CpuIsa> all_isas() { return {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}; }
-
-std::vector<CpuIsa> supported_isas() {
-  std::vector<CpuIsa> isas;
-  for (CpuIsa isa : all_isas()) {
-    if (cpu_isa_supported(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
-// Forces an ISA level for one scope, restoring the previous one.
-class IsaScope {
- public:
-  explicit IsaScope(CpuIsa isa) : previous_(active_cpu_isa()) { set_cpu_isa(isa); }
-  ~IsaScope() { set_cpu_isa(previous_); }
-
- private:
-  CpuIsa previous_;
-};
 
 // One tensor's buffers, owning their memory; grads are stored in grad_dtype.
 struct Buffers {
@@ -503,16 +443,6 @@ TEST(UnscaleAndCheck, EveryFp16ValueConvertsLikeTheCompiler) {
 }
 
 // ------------------------------------------------------------- bad input --
-
-void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "expected InvalidArgument mentioning '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
 
 TEST(Adam, BadInputIsRejectedBeforeAnyByteIsWritten) {
   Buffers good(100, DType::kFloat32, true, DType::kBFloat16, 1);

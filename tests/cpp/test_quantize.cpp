@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -14,6 +13,8 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "half_reference.h"
+#include "isa_scope.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/cuda/quantize.h"
 #include "zcore/cuda/runtime.h"
@@ -22,78 +23,14 @@
 namespace zcore {
 namespace {
 
-using testing_support::error_of;
+// Reference conversions, ISA levels and error checks shared by the kernel tests.
+using namespace testing_support;
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kFp16Max = 65504.0f;
 
 // ---------------------------------------------------------------- helpers --
-
-std::uint32_t float_bits(float f) {
-  std::uint32_t w;
-  std::memcpy(&w, &f, 4);
-  return w;
-}
-
-float bits_to_float(std::uint32_t w) {
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-float bf16_to_float(std::uint16_t h) { return bits_to_float(static_cast<std::uint32_t>(h) << 16); }
-
-// Round to nearest even by exact arithmetic on the value (independent of the
-// kernels' bit trick): the two bf16 neighbours and the distance to each.
-std::uint16_t reference_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  const std::uint32_t w = float_bits(f);
-  const auto down = static_cast<std::uint16_t>(w >> 16);
-  const auto up = static_cast<std::uint16_t>(down + 1);
-  if ((w & 0xFFFF) == 0) return down;
-  const double lo = bf16_to_float(down);
-  const double hi = std::isinf(lo) ? lo : static_cast<double>(bf16_to_float(up));
-  const double x = f;
-  const double d_lo = std::fabs(x - lo);
-  const double d_hi = std::isinf(hi) ? std::ldexp(1.0, 128) - std::fabs(x) : std::fabs(hi - x);
-  if (d_lo < d_hi) return down;
-  if (d_hi < d_lo) return up;
-  return (down & 1) ? up : down;
-}
-
-float fp16_to_float(std::uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return static_cast<float>(x);
-}
-
-std::uint16_t reference_fp16(float f) {
-  const _Float16 x = static_cast<_Float16>(f);  // the compiler's IEEE conversion
-  std::uint16_t h;
-  std::memcpy(&h, &x, 2);
-  return h;
-}
-
-std::vector<CpuIsa> all_isas() { return {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}; }
-
-std::vector<CpuIsa> supported_isas() {
-  std::vector<CpuIsa> isas;
-  for (CpuIsa isa : all_isas()) {
-    if (cpu_isa_supported(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
-// Forces an ISA level for one scope, restoring the previous one.
-class IsaScope {
- public:
-  explicit IsaScope(CpuIsa isa) : previous_(active_cpu_isa()) { set_cpu_isa(isa); }
-  ~IsaScope() { set_cpu_isa(previous_); }
-
- private:
-  CpuIsa previous_;
-};
 
 constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
@@ -554,13 +491,6 @@ TEST(Quantize, EveryIsaAndThreadCountGivesTheSameBits) {
 }
 
 // ---------------------------------------------------------- bad arguments --
-
-void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
-  const Error e = error_of(call);
-  EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-  EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-      << "message '" << e.what() << "' lacks '" << fragment << "'";
-}
 
 TEST(QuantizeArguments, BadCallsThrowInvalidArgumentAndWriteNothing) {
   std::vector<float> x(64, 1.0f);

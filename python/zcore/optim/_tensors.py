@@ -1,4 +1,5 @@
-"""Checks that tensors can be handed to the native kernels as raw pointers.
+"""Checks that tensors can be handed to the native kernels as raw pointers,
+for the optimizer kernels and zcore.quantization alike.
 
 Every check runs before any kernel starts, so a bad call raises
 :class:`zcore.InvalidArgumentError` with nothing written.
@@ -23,7 +24,8 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COPY_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _names(dtypes: Sequence[torch.dtype]) -> str:
+def dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    """``dtypes`` for an error message: ``"torch.float32, torch.bfloat16"``."""
     return ", ".join(str(d) for d in dtypes)
 
 
@@ -44,13 +46,13 @@ def check_tensor(
         )
     if tensor.dtype not in dtypes:
         raise InvalidArgumentError(
-            f"{name} has dtype={tensor.dtype}; expected one of: {_names(dtypes)}",
+            f"{name} has dtype={tensor.dtype}; expected one of: {dtype_names(dtypes)}",
             name=name,
             dtype=str(tensor.dtype),
         )
     if tensor.device != device:
         raise InvalidArgumentError(
-            f"{name} is on device={tensor.device} but the step runs on {device}; move it there",
+            f"{name} is on device={tensor.device} but the call runs on {device}; move it there",
             name=name,
             device=str(tensor.device),
         )
@@ -62,7 +64,7 @@ def check_tensor(
         )
     if numel is not None and tensor.numel() != numel:
         raise InvalidArgumentError(
-            f"{name} has {tensor.numel()} elements but the parameters have {numel}",
+            f"{name} has {tensor.numel()} elements (shape={tuple(tensor.shape)}) but {numel} are needed",
             name=name,
             numel=tensor.numel(),
             expected=numel,
@@ -76,20 +78,25 @@ def check_tensor(
     return tensor
 
 
+def kernel_device(tensor: object, name: str) -> torch.device:
+    """The device of ``tensor``, where a call that takes it runs: it must be a
+    tensor on cpu or cuda."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", name=name)
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"{name} is on device={tensor.device}; zcore's kernels run on cpu and cuda",
+            name=name,
+            device=str(tensor.device),
+        )
+    return tensor.device
+
+
 def step_device(tensors: Sequence[torch.Tensor], name: str) -> torch.device:
     """The device of the first tensor, which every other one must share."""
     if len(tensors) == 0:
         raise InvalidArgumentError(f"{name} is empty; pass at least one tensor", name=name)
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor):
-        raise InvalidArgumentError(f"{name}[0] must be a torch.Tensor, got {type(first).__name__}", name=name)
-    if first.device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(
-            f"{name}[0] is on device={first.device}; zcore's kernels run on cpu and cuda",
-            name=name,
-            device=str(first.device),
-        )
-    return first.device
+    return kernel_device(tensors[0], f"{name}[0]")
 
 
 def check_lengths(expected: int, **lists: Sequence[torch.Tensor] | None) -> None:

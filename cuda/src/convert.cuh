@@ -1,0 +1,44 @@
+// Element loads and stores by run-time dtype (a DType as int) for the device
+// kernels of adam.cu and quantize.cu: the conversions give the CPU kernels'
+// bits (bf16 and fp16 round to nearest even, bf16 nan is 0x7FC0).
+//
+// Internal linkage: each .cu file gets its own copy, inlined.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "zcore/dtype.h"
+
+namespace zcore::cuda {
+namespace {
+
+__device__ __forceinline__ float load_as_float(const void* base, std::int64_t i, int dtype) {
+  switch (dtype) {
+    case static_cast<int>(DType::kFloat32): return static_cast<const float*>(base)[i];
+    case static_cast<int>(DType::kBFloat16):
+      return __uint_as_float(static_cast<unsigned>(static_cast<const unsigned short*>(base)[i]) << 16);
+    default: return __half2float(static_cast<const __half*>(base)[i]);
+  }
+}
+
+// Round to nearest even as c10::BFloat16 (and the CPU kernels) do.
+__device__ __forceinline__ unsigned short to_bf16(float x) {
+  if (isnan(x)) return 0x7FC0;
+  const unsigned w = __float_as_uint(x);
+  return static_cast<unsigned short>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+// Any other dtype (adam.cu's "no copy-out") stores nothing.
+__device__ __forceinline__ void store_from_float(void* base, std::int64_t i, int dtype, float x) {
+  switch (dtype) {
+    case static_cast<int>(DType::kFloat32): static_cast<float*>(base)[i] = x; break;
+    case static_cast<int>(DType::kBFloat16): static_cast<unsigned short*>(base)[i] = to_bf16(x); break;
+    case static_cast<int>(DType::kFloat16): static_cast<__half*>(base)[i] = __float2half_rn(x); break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace zcore::cuda
