@@ -355,11 +355,29 @@ class ZeroConfig(_Section):
     # some follow their trace and others leave it, at one small all-reduce
     # per module call (and a host sync on GPU): for debugging a hang.
     stage3_rank_agreement_check: Literal["recording", "every_module"] = "recording"
+    # ZeRO++ (zcore.quantized_collectives): stage 3's weight all-gathers in
+    # int8, the gradient reduce-scatters (stages 1-3) in int4.
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
     def _null_offload(cls, v: Any) -> Any:
         return {} if v is None else v
+
+    @model_validator(mode="after")
+    def _quantized_collectives_at_their_stages(self) -> ZeroConfig:
+        if self.zero_quantized_weights and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.zero_quantized_weights quantizes stage 3's parameter all-gathers, but "
+                f"zero_optimization.stage is {self.stage}, which gathers none; set the stage to 3 or remove the key"
+            )
+        if self.zero_quantized_gradients and self.stage == 0:
+            raise ValueError(
+                "zero_optimization.zero_quantized_gradients quantizes the gradient reduce-scatters of stages 1-3; "
+                "stage 0 all-reduces whole gradients instead; set the stage to 1, 2 or 3 or remove the key"
+            )
+        return self
 
     @model_validator(mode="after")
     def _param_offload_at_stage_3(self) -> ZeroConfig:

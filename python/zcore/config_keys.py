@@ -42,6 +42,13 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         "use zero_optimization.offload_optimizer.device = 'cpu' (the current key)",
     ),
     "zero_optimization.offload_optimizer.ratio": (1.0, "partial optimizer offload is not supported"),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        False,
+        "storing frozen weights quantized is not supported; zero_quantized_weights quantizes their all-gathers",
+    ),
+    "zero_optimization.zero_hpz_partition_size": (1, "hpZ (a secondary partition within a node) is not supported yet"),
+    "zero_optimization.mics_shard_size": (-1, "MiCS is not supported yet"),
+    "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS is not supported yet"),
     "aio.use_gds": (False, "GPUDirect Storage is not supported"),
     "aio.single_submit": (False, "zcore's I/O engine always submits a request's blocks as one batch"),
     "aio.overlap_events": (True, "zcore's I/O engine always overlaps submission with completion"),

@@ -21,6 +21,8 @@ Two policies:
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from zcore import comm
@@ -30,6 +32,8 @@ from zcore.partition import Unit
 # Stage 2 keeps at most this many reduce-scatters in flight before retiring
 # the oldest, which bounds the transient unit-sized buffers.
 MAX_REDUCES_IN_FLIGHT = 2
+
+ReduceScatter = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 class _UnitTracker:
@@ -73,10 +77,15 @@ class _UnitTracker:
 class GradientReducer:
     """Shared parts: hooks in, fp32 gradient shards and used-parameter flags out."""
 
-    def __init__(self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter
+    ) -> None:
+        """``reduce_scatter(shard, full)``: starts a bucket's reduce-scatter,
+        returning what ``wait()`` completes (zcore.quantized_collectives)."""
         self.units = units
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype
+        self.reduce_scatter = reduce_scatter
         self.tracker = _UnitTracker(units)
         self.boundary = True
         # 1 where a parameter received a gradient on this rank in the current
@@ -162,9 +171,10 @@ class AccumulateThenReduce(GradientReducer):
     """Stages 0 (``sharded=False``: all-reduce) and 1 (reduce-scatter)."""
 
     def __init__(
-        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, sharded: bool
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
+        sharded: bool,
     ) -> None:
-        super().__init__(units, world_size, reduce_dtype)
+        super().__init__(units, world_size, reduce_dtype, reduce_scatter)
         self.sharded = sharded
         self.acc = [torch.zeros(u.padded_numel, dtype=torch.float32, device=u.device) for u in units]
         self.shards = (
@@ -187,7 +197,7 @@ class AccumulateThenReduce(GradientReducer):
             send = self.acc[u].to(self.reduce_dtype)  # acc itself in fp32
             if self.sharded:
                 out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
-                work = comm.reduce_scatter_sum(out, send) if self.world_size > 1 else None
+                work = self.reduce_scatter(out, send) if self.world_size > 1 else None
                 if work is None:
                     out.copy_(send)
             else:
@@ -225,10 +235,11 @@ class ReduceScatterEveryMicroStep(GradientReducer):
     sharded = True  # each rank holds only its shard of the gradients
 
     def __init__(
-        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, grads: GradientShards | None = None
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
+        grads: GradientShards | None = None,
     ) -> None:
         """``grads``: where the shards accumulate (default: in memory, on the device)."""
-        super().__init__(units, world_size, reduce_dtype)
+        super().__init__(units, world_size, reduce_dtype, reduce_scatter)
         self.grads = grads if grads is not None else ResidentGradients(units)
         self.buckets: list[torch.Tensor | None] = [None] * len(units)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
@@ -253,7 +264,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
             self.buckets[u] = None
             out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
             if self.world_size > 1:
-                work = comm.reduce_scatter_sum(out, send)
+                work = self.reduce_scatter(out, send)
             else:
                 out.copy_(send)
                 work = None

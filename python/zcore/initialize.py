@@ -30,9 +30,10 @@ from zcore.meta_init import MetaInit, is_meta
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
 from zcore.host_memory import PAGE_ALIGNMENT
-from zcore.policies import OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
+from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
+from zcore.quantized_collectives import gradient_reduce_scatter
 from zcore.progress import progress_bar
 from zcore.optim import CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
@@ -144,7 +145,7 @@ def initialize(
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
-    reducer = _reducer(policies.stage, offload, units, precision)
+    reducer = _reducer(policies.stage, offload, policies.comm, units, precision)
     handles = hooks.register_gradient_hooks(units, reducer)
     residency: ParamResidency
     publisher: Publisher
@@ -244,6 +245,7 @@ def _fetcher(
         model, groups, hooked, coordinator_config(zero), context.world_size, offload,
         check_every_module=zero.stage3_rank_agreement_check == "every_module",
         swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
+        quantized_gather=policies.comm.quantized_weights,
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
     gathered_parameters.track(fetcher)
@@ -509,8 +511,9 @@ def _check_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _reducer(
-    stage: StagePolicy, offload: OffloadPolicy, units: list[Unit], precision: MixedPrecision
+    stage: StagePolicy, offload: OffloadPolicy, comm_policy: CommPolicy, units: list[Unit], precision: MixedPrecision
 ) -> GradientReducer:
+    reduce_scatter = gradient_reduce_scatter(comm_policy.quantized_gradients, stage.world_size)
     if stage.reduce_scatters_every_micro_step:
         grads = None
         if offload.optimizer_swap is not None:  # gradient shards go where the optimizer runs
@@ -519,8 +522,10 @@ def _reducer(
                 "gradients", gradient_swap_capacity(units, PAGE_ALIGNMENT), 3 * (largest + PAGE_ALIGNMENT)
             )
             grads = SwappedGradients(units, swap, pending_limit=2 * largest)
-        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype, grads)
-    return AccumulateThenReduce(units, stage.world_size, precision.reduce_dtype, sharded=stage.shards_optimizer_states)
+        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype, reduce_scatter, grads)
+    return AccumulateThenReduce(
+        units, stage.world_size, precision.reduce_dtype, reduce_scatter, sharded=stage.shards_optimizer_states
+    )
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

@@ -36,6 +36,7 @@ from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.module_calls import CallTracker, ModuleCall
 from zcore.plan_execution import PlanExecutor
 from zcore.policies import OffloadPolicy, Tier
+from zcore.quantized_collectives import weight_gather
 from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
 from zcore.saved_views import SavedViews, hooks_in_force
 from zcore.shard_store import ShardStore
@@ -86,6 +87,7 @@ class ParamFetcher:
         offload: OffloadPolicy,
         check_every_module: bool = False,
         swap: Optional[Callable[[int, int], SwapManager]] = None,
+        quantized_gather: bool = False,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
@@ -97,7 +99,8 @@ class ParamFetcher:
         groups stay on the device, and NVMe shards within
         ``offload.nvme_host_elements`` in host memory); ``swap(capacity,
         host_bytes)`` opens the
-        swap file of NVMe shards, with a host pool of ``host_bytes`` for reads."""
+        swap file of NVMe shards, with a host pool of ``host_bytes`` for reads.
+        ``quantized_gather``: all-gathers in int8 (ZeRO++ qwZ)."""
         self.groups = groups
         self.world_size = world_size
         tier = _TIERS[offload.parameters]
@@ -131,7 +134,8 @@ class ParamFetcher:
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
         self._plans = PlanExecutor(
-            self.coordinator, groups, self.buffers, self._store, self._sites, world_size, check_every_module
+            self.coordinator, groups, self.buffers, self._store, self._sites, world_size, check_every_module,
+            weight_gather(quantized_gather, world_size),
         )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)

@@ -62,9 +62,12 @@ class PlanExecutor:
         sites: UseSites,
         world_size: int,
         check_every_module: bool,
+        gather_weights: Callable[[torch.Tensor, torch.Tensor], Any],
     ) -> None:
         """``check_every_module``: ranks agree on every use, not only on the
-        uses no trace foresaw (config stage3_rank_agreement_check)."""
+        uses no trace foresaw (config stage3_rank_agreement_check).
+        ``gather_weights(buffer, shard)`` starts a group's all-gather and
+        returns what ``wait()`` completes it (zcore.param_fetcher.weight_gather)."""
         self.coordinator = coordinator
         self.buffers = buffers
         self._store = store
@@ -73,6 +76,7 @@ class PlanExecutor:
         self._sites = sites
         self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
         self._check_every_module = check_every_module
+        self._gather_weights = gather_weights
         self._entering: list[int] = []  # groups of the site being entered
         # While an optimizer step runs behind the forward (publish_behind):
         # waits until a group's update is complete; the trained persistent
@@ -199,7 +203,7 @@ class PlanExecutor:
             buf.copy_(shard)
             slot.gather = _InFlight(None)
         else:
-            slot.gather = _InFlight(comm.all_gather_into(buf, shard, async_op=True))
+            slot.gather = _InFlight(self._gather_weights(buf, shard))
 
     def _compaction_is_safe(self) -> bool:
         """A running module may hold views of its groups' buffers in local

@@ -118,9 +118,18 @@ class OffloadPolicy:
 
 
 @dataclass(frozen=True)
+class CommPolicy:
+    """What crosses the wire quantized (ZeRO++: zcore.quantized_collectives)."""
+
+    quantized_weights: bool = False  # stage 3's parameter all-gathers in int8
+    quantized_gradients: bool = False  # the gradient reduce-scatters in int4
+
+
+@dataclass(frozen=True)
 class Policies:
     stage: StagePolicy
     offload: OffloadPolicy
+    comm: CommPolicy = CommPolicy()
 
 
 def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
@@ -147,6 +156,11 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
             optimizer_buffers=opt.buffer_count,
             read_ahead=opt.pipeline_read,
             write_behind=opt.pipeline_write,
+        ),
+        # Nothing crosses a wire in a world of one: nothing to quantize.
+        comm=CommPolicy(
+            quantized_weights=zero.zero_quantized_weights and context.world_size > 1,
+            quantized_gradients=zero.zero_quantized_gradients and context.world_size > 1,
         ),
     )
 
