@@ -31,10 +31,11 @@ from zcore.errors import (
     ShortReadError,
     ZcoreError,
 )
-from zcore.estimate import estimate_memory, recommend_config
+from zcore.estimate import estimate_memory
 from zcore.gathered_parameters import GatheredParameters, register_external_parameter
 from zcore.host_memory import HostMemory
 from zcore.initialize import initialize
+from zcore.recommend import recommend_config
 from zcore.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
 from zcore.swap import SwapManager

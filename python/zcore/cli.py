@@ -106,7 +106,8 @@ def estimate(args: argparse.Namespace) -> int:
 
     from zcore.config import load_config
     from zcore.errors import ZcoreError
-    from zcore.estimate import Budget, Planner
+    from zcore.estimate import Planner
+    from zcore.recommend import Budget, choices, recommend
 
     if (args.device_memory is None) != (args.host_memory is None):
         print("zcore estimate: give both --device-memory and --host-memory for a recommendation, or neither",
@@ -126,11 +127,11 @@ def estimate(args: argparse.Namespace) -> int:
             sample = torch.zeros(batch, args.seq_len, dtype=torch.long, device="meta")
         planner = Planner(model, config, device=args.device, sample_input=sample,
                           activations=args.activations, host_available=args.host_memory)
-        for choice in planner.choices(args.world_size, args.nvme_path):
+        for choice in choices(planner, args.world_size, args.nvme_path):
             print(f"{choice}\n")
         if args.device_memory is not None:
             budget = Budget(args.device_memory, args.host_memory, args.nvme_memory, args.ranks_per_node)
-            chosen = planner.recommend(args.world_size, budget, args.nvme_path)
+            chosen = recommend(planner, args.world_size, budget, args.nvme_path)
             print(chosen)
             print(json.dumps({"zero_optimization": chosen.zero_optimization}, indent=2))
     except (ZcoreError, ValueError, OSError, ImportError, AttributeError) as exc:
