@@ -13,8 +13,8 @@ them (a monitor or ``wall_clock_breakdown``); otherwise the engine holds no
   Waiting for the optimizer step that runs behind the forward counts as
   optimizer step.
 - Throughput: samples per second from the batch size; tokens from the
-  forward's token ids (``input_ids``, or the first integer tensor argument)
-  times the world size, since every rank takes a batch of the same shape;
+  training forwards' token ids (``input_ids``, or the first integer tensor
+  argument) times the world size, since every rank takes a batch of the same shape;
   FLOPs counted by torch's FlopCounterMode over the first optimizer step
   (which runs slower for it), then scaled by tokens (or forward calls).
 - Memory: zcore's bytes per tier and category (zcore.memory_report), the
@@ -145,6 +145,8 @@ class StepMetrics:
             self._seconds[phase.value] += time.perf_counter() - start - (self._waited - waited)
 
     def forward_inputs(self, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation between steps: its tokens are not the step's throughput
         self._forwards += 1
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor):
