@@ -76,8 +76,9 @@ struct Buffer {
   }
 
   bool same_bits(const Buffer& other) const {
+    // memcmp's pointers must not be null, even for no bytes: an empty fp32 buffer compares by size.
     return dtype == other.dtype && f32.size() == other.f32.size() && half == other.half &&
-           std::memcmp(f32.data(), other.f32.data(), f32.size() * 4) == 0;
+           (f32.empty() || std::memcmp(f32.data(), other.f32.data(), f32.size() * 4) == 0);
   }
 
   void* data() {
