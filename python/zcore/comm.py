@@ -73,17 +73,19 @@ class _AllGatherBySendRecv:
     every other rank and receives theirs (measured). So on gloo the shards
     are exchanged point to point, received straight into their slices of the
     output. Every rank gathers the same groups in the same order, so the
-    k-th message between two ranks always belongs to the k-th gather."""
+    k-th message between two ranks always belongs to the k-th gather.
+    ``group``: a subgroup's ranks, in its own rank order (None: the world)."""
 
-    def __init__(self, output: torch.Tensor, shard: torch.Tensor) -> None:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        slices = output.view(world, -1)
+    def __init__(self, output: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        slices = output.view(size, -1)
         slices[rank].copy_(shard)
         ops = []
-        for peer in range(world):
-            if peer != rank:
-                ops.append(dist.P2POp(dist.isend, shard, peer))
-                ops.append(dist.P2POp(dist.irecv, slices[peer], peer))
+        for i in range(size):
+            if i != rank:
+                peer = i if group is None else dist.get_global_rank(group, i)  # P2POp takes global ranks
+                ops.append(dist.P2POp(dist.isend, shard, peer, group))
+                ops.append(dist.P2POp(dist.irecv, slices[i], peer, group))
         self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
@@ -103,14 +105,17 @@ class _Collective:
             self._work.wait()
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-    """``output`` (world x shard elements) receives every rank's ``shard`` in
-    rank order. ``shard`` must stay unchanged until the gather is waited for."""
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, group: Optional[dist.ProcessGroup] = None
+):
+    """``output`` (ranks x shard elements) receives every rank's ``shard`` in
+    rank order, over ``group`` (None: the world). ``shard`` must stay
+    unchanged until the gather is waited for."""
     with tracing.span("all_gather"):
         if not _on_gloo():
-            work = _Collective(_all_gather(output, shard, async_op=True))
+            work = _Collective(_all_gather(output, shard, group=group, async_op=True))
         else:
-            work = _Collective(_AllGatherBySendRecv(output, shard))
+            work = _Collective(_AllGatherBySendRecv(output, shard, group))
     if async_op:
         return work
     work.wait()
@@ -171,6 +176,16 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
 def all_reduce_max(tensor: torch.Tensor) -> None:
     with tracing.waiting(Wait.COMM):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def rank_block(size: int) -> dist.ProcessGroup:
+    """The group of this rank's block of ``size`` consecutive global ranks
+    (0..size-1, size..2*size-1, ...: one node each where the launcher
+    numbers ranks node by node, as torchrun does). Every rank creates every
+    block's group, in the same order, as torch requires: call it on all
+    ranks at once."""
+    mine, _ = dist.new_subgroups(group_size=size)
+    return mine
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

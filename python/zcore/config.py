@@ -359,6 +359,10 @@ class ZeroConfig(_Section):
     # int8, the gradient reduce-scatters (stages 1-3) in int4.
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
+    # ZeRO++ hpZ (zcore.secondary_partition): stage 3 keeps a secondary
+    # partition of gathered groups within blocks of this many ranks (a
+    # node), so that later gathers stay within the block; 0 and 1: none.
+    zero_hpz_partition_size: int = Field(1, ge=0)
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
@@ -366,7 +370,7 @@ class ZeroConfig(_Section):
         return {} if v is None else v
 
     @model_validator(mode="after")
-    def _quantized_collectives_at_their_stages(self) -> ZeroConfig:
+    def _zero_plus_plus_at_their_stages(self) -> ZeroConfig:
         if self.zero_quantized_weights and self.stage != 3:
             raise ValueError(
                 f"zero_optimization.zero_quantized_weights quantizes stage 3's parameter all-gathers, but "
@@ -376,6 +380,12 @@ class ZeroConfig(_Section):
             raise ValueError(
                 "zero_optimization.zero_quantized_gradients quantizes the gradient reduce-scatters of stages 1-3; "
                 "stage 0 all-reduces whole gradients instead; set the stage to 1, 2 or 3 or remove the key"
+            )
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size = {self.zero_hpz_partition_size} keeps a secondary "
+                f"partition of stage 3's gathered parameters, but zero_optimization.stage is {self.stage}, which "
+                "gathers none; set the stage to 3, or the key to 1"
             )
         return self
 

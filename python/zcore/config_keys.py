@@ -46,7 +46,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         False,
         "storing frozen weights quantized is not supported; zero_quantized_weights quantizes their all-gathers",
     ),
-    "zero_optimization.zero_hpz_partition_size": (1, "hpZ (a secondary partition within a node) is not supported yet"),
     "zero_optimization.mics_shard_size": (-1, "MiCS is not supported yet"),
     "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS is not supported yet"),
     "aio.use_gds": (False, "GPUDirect Storage is not supported"),

@@ -245,7 +245,7 @@ def _fetcher(
         model, groups, hooked, coordinator_config(zero), context.world_size, offload,
         check_every_module=zero.stage3_rank_agreement_check == "every_module",
         swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
-        quantized_gather=policies.comm.quantized_weights,
+        comm_policy=policies.comm,
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
     gathered_parameters.track(fetcher)

@@ -21,7 +21,7 @@ import torch
 from zcore import _C
 from zcore.gradient_shards import SwappedGradients
 from zcore.partition import Unit
-from zcore.policies import OffloadPolicy, Policies, Tier
+from zcore.policies import Policies, Tier
 from zcore.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def measure_memory(
     measured, theoretical = _Table(), _Table()
     if stage.shards_parameters:
         _measure_sharded_parameters(residency, measured)
-        _theory_sharded_parameters(residency, offload, stage.world_size, theoretical)
+        _theory_sharded_parameters(residency, policies, optimizer is not None, theoretical)
     else:
         # Whole on every rank: the units, and the parameters outside them (frozen).
         in_units = {id(p) for u in units for p in u.params}
@@ -162,12 +162,14 @@ def measure_memory(
 # Measured.
 def _measure_sharded_parameters(fetcher: ParamFetcher, table: _Table) -> None:
     """Stage 3: each group's shard on its tier (NVMe: its extent in the swap
-    file), and the gathered buffers of persistent groups on the device."""
+    file), the gathered buffers of persistent groups and the hpZ
+    secondaries held (zcore.secondary_partition) on the device."""
     for g in fetcher.groups:
         if g.in_memory:
             table.add("parameters", _SHARD_TIER_NAMES[fetcher.shard_tier(g.index)], _nbytes(g.local_shard))
         if fetcher.persistent(g.index) and fetcher.buffers.holds(g.index):
             table.add("parameters", DEVICE, _nbytes(fetcher.buffers.current(g.index)))
+    table.add("parameters", DEVICE, _tensor_bytes(fetcher.gathers.held()))
     table.add("parameters", NVME, fetcher.parameter_swap_bytes())
 
 
@@ -195,7 +197,11 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 # - parameters: stages 0-2 p*Psi on the device (and frozen parameters whole);
 #   stage 3 p*numel/N per group on offload_param's tier, except that a
 #   persistent group (below stage3_param_persistence_threshold) keeps its
-#   shard and its gathered p*numel on the device;
+#   shard and its gathered p*numel on the device; with hpZ (blocks of h
+#   ranks), a non-persistent group's secondary adds p*numel/h on the device
+#   from its first gather after an optimizer step until the next step, for
+#   good where no step changes it (frozen groups, an engine without
+#   optimizer): between steps, where reports are taken, only those;
 # - gradients, fp32 on the device: a full-size accumulator 4*Psi in stages 0
 #   and 1, plus the reduced shard 4*Psi/N in stage 1; only the shard 4*Psi/N
 #   in stages 2 and 3, which goes to NVMe with the optimizer states there. An optimizer on the host, with a GPU computing, adds
@@ -204,13 +210,17 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 #   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
 #   memory between steps;
 # - buffers: the module's, whole on the device on every rank.
-def _theory_sharded_parameters(fetcher: ParamFetcher, offload: OffloadPolicy, world: int, table: _Table) -> None:
+def _theory_sharded_parameters(fetcher: ParamFetcher, policies: Policies, steps: bool, table: _Table) -> None:
+    """``steps``: an optimizer changes the trained groups between steps."""
+    offload, world, hpz = policies.offload, policies.stage.world_size, policies.comm.hpz_size
     kept, spilled = 0, False  # offload_param.max_in_cpu: NVMe shards kept in host memory, in order
     for g in fetcher.groups:
         full = g.numel * g.dtype.itemsize
         if fetcher.persistent(g.index):
             table.add("parameters", DEVICE, full // world + full)
             continue
+        if hpz > 1 and not (steps and g.trainable):
+            table.add("parameters", DEVICE, full // hpz)
         tier = TIER_NAMES[offload.parameters]
         if offload.parameters is Tier.NVME:
             spilled = spilled or kept + g.shard_numel > offload.nvme_host_elements

@@ -8,7 +8,9 @@ a step, each in its own module:
   with activation checkpointing's recomputations;
 - zcore.saved_views: tensors autograd saves that view gathered buffers;
 - zcore.external_params: parameters used outside their module;
-- zcore.use_sites: the coordinator modules entered and left, and names.
+- zcore.use_sites: the coordinator modules entered and left, and names;
+- zcore.secondary_partition: where all-gathers go (hpZ: within a block of
+  ranks, from secondaries kept after a gather over the world).
 
 A step is one forward and its backward (one trace: backward continues it).
 Forward with grad enabled uses trace key TRAIN, without grad (evaluation,
@@ -35,10 +37,10 @@ from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.module_calls import CallTracker, ModuleCall
 from zcore.plan_execution import PlanExecutor
-from zcore.policies import OffloadPolicy, Tier
-from zcore.quantized_collectives import weight_gather
+from zcore.policies import CommPolicy, OffloadPolicy, Tier
 from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
 from zcore.saved_views import SavedViews, hooks_in_force
+from zcore.secondary_partition import weight_gathers
 from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
 from zcore.swap import SwapManager
@@ -51,7 +53,7 @@ TRAIN, NO_GRAD = 0, 1  # trace keys
 
 @dataclass(frozen=True)
 class GatherStats:
-    """Coordinator statistics (elements) and gathered-buffer figures (bytes)."""
+    """Coordinator statistics (elements), gathered-buffer figures (bytes) and hpZ's."""
 
     steps: int
     gathers: int
@@ -74,6 +76,8 @@ class GatherStats:
     gathered_bytes: int
     persistent_bytes: int
     peak_gathered_bytes: int
+    secondary_gathers: int  # gathers within the hpZ block, from secondaries
+    secondary_bytes: int  # hpZ secondaries held now
 
 
 class ParamFetcher:
@@ -87,7 +91,7 @@ class ParamFetcher:
         offload: OffloadPolicy,
         check_every_module: bool = False,
         swap: Optional[Callable[[int, int], SwapManager]] = None,
-        quantized_gather: bool = False,
+        comm_policy: CommPolicy = CommPolicy(),
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
@@ -100,7 +104,9 @@ class ParamFetcher:
         ``offload.nvme_host_elements`` in host memory); ``swap(capacity,
         host_bytes)`` opens the
         swap file of NVMe shards, with a host pool of ``host_bytes`` for reads.
-        ``quantized_gather``: all-gathers in int8 (ZeRO++ qwZ)."""
+        ``comm_policy``: all-gathers in int8 (ZeRO++ qwZ), and (hpZ) within
+        blocks of ranks from a secondary partition: then collective, every
+        rank creates the blocks' process groups."""
         self.groups = groups
         self.world_size = world_size
         tier = _TIERS[offload.parameters]
@@ -133,9 +139,10 @@ class ParamFetcher:
         persistent = [self.coordinator.persistent(g.index) for g in groups]
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
+        self.gathers = weight_gathers(comm_policy, world_size, persistent)
         self._plans = PlanExecutor(
             self.coordinator, groups, self.buffers, self._store, self._sites, world_size, check_every_module,
-            weight_gather(quantized_gather, world_size),
+            self.gathers,
         )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)
@@ -209,19 +216,25 @@ class ParamFetcher:
 
     def publish(self) -> None:
         """After an optimizer step: the updated NVMe shards are on disk (a
-        write error surfaces here), and the trained groups that stay
+        write error surfaces here), the trained groups that stay
         gathered (persistent ones) get the new values in place, in one
-        all-gather."""
+        all-gather, and the others' hpZ secondaries are dropped."""
         self.finish_writes()
-        self._plans.refresh_all([g for g in self.groups if g.trainable])
+        trained = [g for g in self.groups if g.trainable]
+        self.gathers.drop(g.index for g in trained)
+        self._plans.refresh_all(trained)
 
     def publish_behind(self, wait_update: Callable[[int], None], finish_update: Callable[[], None]) -> None:
         """After an optimizer step that goes on behind the forward
         (zcore.background_step): each group's shard is read once
         ``wait_update(group)`` returns, the persistent groups take their new
         values at their next use, and what needs every shard calls
-        ``finish_update()`` first, which ends with ``update_complete()``."""
-        self._plans.defer_refresh(wait_update, [g for g in self.groups if g.trainable])
+        ``finish_update()`` first, which ends with ``update_complete()``.
+        The trained groups' hpZ secondaries are dropped: their next gathers
+        read the updated shards."""
+        trained = [g for g in self.groups if g.trainable]
+        self.gathers.drop(g.index for g in trained)
+        self._plans.defer_refresh(wait_update, trained)
         self._finish_update = finish_update
 
     def update_complete(self) -> None:
@@ -291,7 +304,9 @@ class ParamFetcher:
 
     def reload(self) -> None:
         """After a checkpoint load replaced the shards: every group that
-        stays gathered, trained or frozen, gets the new values."""
+        stays gathered, trained or frozen, gets the new values, and every
+        hpZ secondary is dropped."""
+        self.gathers.drop(g.index for g in self.groups)
         self._plans.refresh_all(self.groups)
 
     # The hooks' side: module calls.
@@ -361,6 +376,7 @@ class ParamFetcher:
         if self.world_size > 1:
             torch.distributed.broadcast(full, src=source_rank)
         values = g.shard_of(full)
+        self.gathers.drop([group])
         self.write_shard(group, values)
         if self._master_writer is not None and g.trainable:
             self._master_writer(g, values)
@@ -370,6 +386,8 @@ class ParamFetcher:
         b = self.buffers.stats
         values = {f.name: getattr(c, f.name, None) for f in fields(GatherStats)}
         values.update({f.name: getattr(b, f.name) for f in fields(BufferStats)})
+        values["secondary_gathers"] = self.gathers.secondary_gathers
+        values["secondary_bytes"] = sum(t.numel() * t.element_size() for t in self.gathers.held())
         return GatherStats(**values)
 
     def stored_tensors(self) -> list[torch.Tensor]:
@@ -378,7 +396,7 @@ class ParamFetcher:
             for g in self.groups
             if self.buffers.persistent[g.index] and self.buffers.holds(g.index)
         ]
-        return [g.local_shard for g in self.groups if g.in_memory] + persistent
+        return [g.local_shard for g in self.groups if g.in_memory] + persistent + self.gathers.held()
 
     def reset_peak(self) -> None:
         self.coordinator.reset_peak()

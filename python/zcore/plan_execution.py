@@ -3,7 +3,8 @@
 The coordinator (zcore._C.ParamCoordinator, protocol in
 cpp/include/zcore/coordinator.h) answers each use site's entry and exit
 with a plan; ``PlanExecutor`` does what it says: one asynchronous
-all-gather of a group's shard into a buffer per GATHER, parameters pointed
+all-gather of a group's shard into a buffer per GATHER (of its secondary
+within a block of ranks under hpZ: zcore.secondary_partition), parameters pointed
 at views of the buffer at WAIT, pointed away and the buffer returned at
 RELEASE; a shard resting off the device (zcore.shard_store) is copied to
 it at FETCH_SHARD, waited for at SHARD_READY and let go at DROP_SHARD; an
@@ -27,6 +28,7 @@ from zcore import _C, comm
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import GatherBuffers
 from zcore.recording_checks import RankAgreement, signature
+from zcore.secondary_partition import WeightGathers
 from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
 from zcore.use_sites import UseSites
@@ -62,12 +64,12 @@ class PlanExecutor:
         sites: UseSites,
         world_size: int,
         check_every_module: bool,
-        gather_weights: Callable[[torch.Tensor, torch.Tensor], Any],
+        gathers: WeightGathers,
     ) -> None:
         """``check_every_module``: ranks agree on every use, not only on the
         uses no trace foresaw (config stage3_rank_agreement_check).
-        ``gather_weights(buffer, shard)`` starts a group's all-gather and
-        returns what ``wait()`` completes it (zcore.param_fetcher.weight_gather)."""
+        ``gathers``: how a group's all-gather goes, over the world or (hpZ)
+        within a block of ranks (zcore.secondary_partition)."""
         self.coordinator = coordinator
         self.buffers = buffers
         self._store = store
@@ -76,7 +78,7 @@ class PlanExecutor:
         self._sites = sites
         self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
         self._check_every_module = check_every_module
-        self._gather_weights = gather_weights
+        self._gathers = gathers
         self._entering: list[int] = []  # groups of the site being entered
         # While an optimizer step runs behind the forward (publish_behind):
         # waits until a group's update is complete; the trained persistent
@@ -203,7 +205,7 @@ class PlanExecutor:
             buf.copy_(shard)
             slot.gather = _InFlight(None)
         else:
-            slot.gather = _InFlight(self._gather_weights(buf, shard))
+            slot.gather = _InFlight(self._gathers.start(group, buf, shard))
 
     def _compaction_is_safe(self) -> bool:
         """A running module may hold views of its groups' buffers in local
@@ -224,7 +226,9 @@ class PlanExecutor:
         if slot.gather.work is not None:
             slot.gather.work.wait()
         slot.gather = None
-        slot.group.point_params_at(self.buffers.current(group))
+        full = self.buffers.current(group)
+        self._gathers.done(group, full)
+        slot.group.point_params_at(full)
 
     def _release(self, group: int) -> None:
         self._slots[group].group.release_params()

@@ -16,7 +16,7 @@ import torch
 
 from zcore.comm import DistributedContext
 from zcore.config import Config
-from zcore.errors import DiskIOError
+from zcore.errors import ConfigError, DiskIOError
 from zcore.swap import SwapManager
 
 
@@ -119,10 +119,14 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class CommPolicy:
-    """What crosses the wire quantized (ZeRO++: zcore.quantized_collectives)."""
+    """What crosses the wire quantized (ZeRO++: zcore.quantized_collectives),
+    and where stage 3's parameter all-gathers go (hpZ: zcore.secondary_partition)."""
 
     quantized_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantized_gradients: bool = False  # the gradient reduce-scatters in int4
+    # Ranks per hpZ block (contiguous global ranks, a node) within which a
+    # group gathered once is gathered again from secondaries; 1: none.
+    hpz_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,25 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
         comm=CommPolicy(
             quantized_weights=zero.zero_quantized_weights and context.world_size > 1,
             quantized_gradients=zero.zero_quantized_gradients and context.world_size > 1,
+            hpz_size=_hpz_size(zero.zero_hpz_partition_size, context.world_size),
         ),
     )
+
+
+def _hpz_size(size: int, world: int) -> int:
+    """A block of ``size`` ranks or more that holds every rank gathers over
+    the world already, so a secondary would only cost memory: none then
+    (DeepSpeed takes min(size, world) and keeps one that duplicates the
+    primary). Blocks must tile the world."""
+    if size <= 1 or size >= world:
+        return 1
+    if world % size:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size = {size} must divide the world size ({world}): hpZ "
+            f"blocks are {size} consecutive ranks, one node each; set it to the ranks per node "
+            f"(LOCAL_WORLD_SIZE), a divisor of {world}, or 1 to turn hpZ off"
+        )
+    return size
 
 
 def _swap_space(cfg: Config, section: str) -> SwapSpace:

@@ -25,9 +25,10 @@ still sees an overflowed gradient.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from zcore import comm
 from zcore.quantization import code_dtype, dequantize, dequantize_add, quantize, quantized_shapes
@@ -63,17 +64,20 @@ class _Slice:
 
 
 class QuantizedAllGather:
-    """``output`` (world x shard elements) receives every rank's ``shard``,
-    int8-quantized on the wire; ``wait()`` decodes it."""
+    """``output`` (ranks x shard elements) receives every rank's ``shard``
+    over ``group`` (``world_size`` ranks; None: the world), int8-quantized on
+    the wire; ``wait()`` decodes it."""
 
-    def __init__(self, output: torch.Tensor, shard: torch.Tensor, world_size: int) -> None:
+    def __init__(
+        self, output: torch.Tensor, shard: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         self._output = output.view(world_size, -1)
         self._layout = _Slice(shard.numel(), WEIGHT_BITS, WEIGHT_BLOCK)
         n = self._layout.nbytes
         self._send = torch.empty(n, dtype=torch.uint8, device=shard.device)
         self._layout.pack(shard.reshape(-1), self._send)
         self._received = torch.empty(world_size * n, dtype=torch.uint8, device=shard.device)
-        self._work: Any = comm.all_gather_into(self._received, self._send, async_op=True)
+        self._work: Any = comm.all_gather_into(self._received, self._send, async_op=True, group=group)
 
     def wait(self) -> None:
         """Like torch's Work.wait(): a second call returns at once."""
@@ -117,12 +121,15 @@ class QuantizedReduceScatter:
         self._received = self._send = None
 
 
-def weight_gather(quantized: bool, world_size: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """How stage 3 starts a group's all-gather: ``gather(buffer, shard)``
-    returns what ``wait()`` completes."""
+def weight_gather(
+    quantized: bool, world_size: int, group: Optional[dist.ProcessGroup] = None
+) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """How stage 3 starts a group's all-gather over ``group`` (``world_size``
+    ranks; None: the world): ``gather(buffer, shard)`` returns what
+    ``wait()`` completes."""
     if quantized:
-        return functools.partial(QuantizedAllGather, world_size=world_size)
-    return functools.partial(comm.all_gather_into, async_op=True)
+        return functools.partial(QuantizedAllGather, world_size=world_size, group=group)
+    return functools.partial(comm.all_gather_into, async_op=True, group=group)
 
 
 def gradient_reduce_scatter(quantized: bool, world_size: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:

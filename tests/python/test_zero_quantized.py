@@ -133,7 +133,6 @@ def test_an_overflow_on_one_rank_survives_quantization_and_skips_the_step():
     [
         ({"stage": 2, "zero_quantized_weights": True}, r"zero_quantized_weights.*stage is 2.*set the stage to 3"),
         ({"stage": 0, "zero_quantized_gradients": True}, r"zero_quantized_gradients.*stage 0 all-reduces"),
-        ({"stage": 3, "zero_hpz_partition_size": 2}, r"zero_hpz_partition_size.*not supported yet"),
         ({"stage": 3, "mics_shard_size": 2}, r"mics_shard_size.*MiCS is not supported yet"),
         ({"stage": 3, "zero_quantized_nontrainable_weights": True}, r"zero_quantized_nontrainable_weights"),
     ],
