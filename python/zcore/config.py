@@ -84,16 +84,13 @@ def _plain_types(annotation: Any) -> set[Any]:
     return {t for arg in get_args(annotation) for t in _plain_types(arg)}
 
 
-class AdamParams(_Section):
+class _AdamHyperParams(_Section):
+    """The hyper-parameters every optimizer type takes."""
+
     lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
-    # torch.optim.Adam's L2 penalty.
-    adam_w_mode: bool = True
-    torch_adam: bool = False
-    amsgrad: Literal[False] = False
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -109,24 +106,165 @@ class AdamParams(_Section):
         return v
 
 
-class OptimizerConfig(_Section):
+class AdamParams(_AdamHyperParams):
+    # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
+    # torch.optim.Adam's L2 penalty.
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    amsgrad: Literal[False] = False
+
+
+class _CompressedAdamParams(_AdamHyperParams):
+    """What DeepSpeed's 1-bit Adam and 0/1 Adam both take (zcore.optim.compressed_adam)."""
+
+    # DeepSpeed takes these three and never applies them: no bias correction
+    # whatever bias_correction says, eps outside the square root, no clipping
+    # by max_grad_norm. zcore does the same, and refuses a value that asks
+    # for what neither does.
+    bias_correction: bool = True
+    eps_inside_sqrt: bool = False
+    max_grad_norm: float = 0.0
+    amsgrad: Literal[False] = False
+    # Whether DeepSpeed's MPI implementation may hand MPI GPU memory.
+    cuda_aware: bool = False
+    # DeepSpeed's implementation of the compressed all-reduce. zcore's sends
+    # the same messages through torch.distributed whatever the process
+    # group's backend: "nccl" (the default), "gloo" and "compressed" (DeepSpeed's
+    # backend-agnostic one) all choose it.
+    comm_backend_name: str = "nccl"
+
+    @field_validator("eps_inside_sqrt")
+    @classmethod
+    def _eps_outside(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "DeepSpeed's 1-bit Adam and 0/1 Adam take eps_inside_sqrt but always add eps outside the "
+                "square root, as zcore does; remove the key or set it to false"
+            )
+        return v
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _no_clipping_here(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError(
+                "DeepSpeed's 1-bit Adam and 0/1 Adam keep max_grad_norm but never clip with it; clip with "
+                "the top-level key gradient_clipping, and remove this one (or set it to 0)"
+            )
+        return v
+
+    @field_validator("cuda_aware")
+    @classmethod
+    def _no_mpi(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "cuda_aware tells DeepSpeed's MPI implementation that MPI reads GPU memory; zcore has no MPI "
+                "implementation (comm_backend_name 'nccl' or 'gloo' go through torch.distributed): remove "
+                "the key or set it to false"
+            )
+        return v
+
+    @field_validator("comm_backend_name")
+    @classmethod
+    def _torch_distributed(cls, v: str) -> str:
+        refused = {
+            "mpi": "DeepSpeed's MPI implementation (mpi4py), which zcore does not have",
+            "hccl": "DeepSpeed's implementation for Huawei Ascend devices, which zcore does not run on",
+        }
+        if v in refused:
+            raise ValueError(
+                f"comm_backend_name {show_value(v)} selects {refused[v]}; zcore sends the same 1-bit messages "
+                "through torch.distributed: use 'nccl' (or 'gloo' on CPU)"
+            )
+        if v not in ("nccl", "gloo", "compressed"):
+            raise ValueError(f"comm_backend_name must be 'nccl', 'gloo' or 'compressed', got {show_value(v)}")
+        return v
+
+
+class OneBitAdamParams(_CompressedAdamParams):
+    # Exact Adam steps before compression (warm-up). DeepSpeed's first step
+    # only sets up buffers, so it always takes at least one exact step: zcore
+    # asks for one.
+    freeze_step: int = Field(100_000, ge=1)
+
+
+class ZeroOneAdamParams(_CompressedAdamParams):
+    # The last variance update comes at step var_freeze_step + 1 at the latest.
+    var_freeze_step: int = Field(100_000, ge=0)
+    # Variance updates per interval before the interval doubles (the paper's kappa).
+    var_update_scaler: int = Field(16, ge=1)
+    # Local steps per synchronisation interval before the interval doubles.
+    local_step_scaler: int = Field(32678, ge=1)
+    # The longest synchronisation interval, in steps (the paper's H).
+    local_step_clipper: int = Field(16, ge=1)
+
+
+# DeepSpeed reads optimizer types in any case.
+_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+
+
+def _canonical_type(v: Any) -> Any:
+    return _OPTIMIZER_TYPES.get(v.lower(), v) if isinstance(v, str) else v
+
+
+class AdamOptimizerConfig(_Section):
     type: str
     params: AdamParams = AdamParams()
 
     @field_validator("type")
     @classmethod
     def _known_type(cls, v: str) -> str:
-        canonical = {"adam": "Adam", "adamw": "AdamW"}.get(v.lower())
-        if canonical is None:
+        canonical = _canonical_type(v)
+        if canonical not in ("Adam", "AdamW"):
             raise ValueError(
-                f"optimizer type {show_value(v)} is not supported; use 'Adam' or 'AdamW', or pass a torch "
-                "optimizer (or a callable building one) to zcore.initialize(optimizer=...)"
+                f"optimizer type {show_value(v)} is not supported; use 'Adam', 'AdamW', 'OneBitAdam' or "
+                "'ZeroOneAdam', or pass a torch optimizer (or a callable building one) to "
+                "zcore.initialize(optimizer=...)"
             )
         return canonical
 
     @property
     def decoupled_weight_decay(self) -> bool:
         return self.type == "AdamW" or self.params.adam_w_mode
+
+
+class OneBitAdamConfig(_Section):
+    type: Literal["OneBitAdam"]
+    params: OneBitAdamParams = OneBitAdamParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical(cls, v: Any) -> Any:
+        return _canonical_type(v)
+
+
+class ZeroOneAdamConfig(_Section):
+    type: Literal["ZeroOneAdam"]
+    params: ZeroOneAdamParams = ZeroOneAdamParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical(cls, v: Any) -> Any:
+        return _canonical_type(v)
+
+
+def _optimizer_branch(raw: Any) -> str:
+    tag = _canonical_type(raw.get("type") if isinstance(raw, dict) else getattr(raw, "type", None))
+    # Adam, AdamW and whatever zcore lacks go to the Adam section, whose
+    # check names the types there are. Its tag is its class name, which is
+    # what _describe takes a type-less branch's name in an error to be.
+    return tag if tag in ("OneBitAdam", "ZeroOneAdam") else AdamOptimizerConfig.__name__
+
+
+# The params' keys depend on the type.
+OptimizerConfig = Annotated[
+    Union[
+        Annotated[AdamOptimizerConfig, Tag(AdamOptimizerConfig.__name__)],
+        Annotated[OneBitAdamConfig, Tag("OneBitAdam")],
+        Annotated[ZeroOneAdamConfig, Tag("ZeroOneAdam")],
+    ],
+    Discriminator(_optimizer_branch),
+]
 
 
 class WarmupLRParams(_Section):
@@ -363,6 +501,11 @@ class ZeroConfig(_Section):
     # partition of gathered groups within blocks of this many ranks (a
     # node), so that later gathers stay within the block; 0 and 1: none.
     zero_hpz_partition_size: int = Field(1, ge=0)
+    # MiCS: stage 3 shards within groups of this many consecutive ranks and
+    # replicates across the groups (-1: over the whole world); the
+    # parameter all-gathers of a group spanning nodes in two levels.
+    mics_shard_size: int = Field(-1, ge=-1)
+    mics_hierarchical_params_gather: bool = False
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
@@ -380,6 +523,30 @@ class ZeroConfig(_Section):
             raise ValueError(
                 "zero_optimization.zero_quantized_gradients quantizes the gradient reduce-scatters of stages 1-3; "
                 "stage 0 all-reduces whole gradients instead; set the stage to 1, 2 or 3 or remove the key"
+            )
+        if self.mics_shard_size == 0:
+            raise ValueError(
+                "zero_optimization.mics_shard_size = 0 shards over no rank; set it to the ranks each copy "
+                "of the model is sharded over (a divisor of the world size), or -1 to turn MiCS off"
+            )
+        mics = self.mics_shard_size > 0
+        if mics and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.mics_shard_size = {self.mics_shard_size} shards stage 3's parameters "
+                f"within groups of ranks, but zero_optimization.stage is {self.stage}; set the stage to 3 "
+                "(as DeepSpeed's MiCS requires) or the key to -1"
+            )
+        if self.mics_hierarchical_params_gather and not mics:
+            raise ValueError(
+                "zero_optimization.mics_hierarchical_params_gather gathers MiCS shard groups that span "
+                "nodes in two levels, but mics_shard_size is -1 (MiCS off); set mics_shard_size or "
+                "remove the key"
+            )
+        if mics and self.zero_hpz_partition_size > 1:
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size = {self.zero_hpz_partition_size} and "
+                f"mics_shard_size = {self.mics_shard_size} both choose where stage 3's gathers run: "
+                "MiCS shards within its groups, so every gather stays there already; keep one"
             )
         if self.zero_hpz_partition_size > 1 and self.stage != 3:
             raise ValueError(

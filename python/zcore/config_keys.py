@@ -46,8 +46,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         False,
         "storing frozen weights quantized is not supported; zero_quantized_weights quantizes their all-gathers",
     ),
-    "zero_optimization.mics_shard_size": (-1, "MiCS is not supported yet"),
-    "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS is not supported yet"),
     "aio.use_gds": (False, "GPUDirect Storage is not supported"),
     "aio.single_submit": (False, "zcore's I/O engine always submits a request's blocks as one batch"),
     "aio.overlap_events": (True, "zcore's I/O engine always overlaps submission with completion"),

@@ -69,6 +69,15 @@ class CountingProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # the name torch's logs and errors give the backend
         return BACKEND
 
+    # torch names each group after making it; a Python group keeps the name
+    # itself (a DeviceMesh finds its groups by name).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
     def send(self, tensors, dst, tag):
         self._count("send", _nbytes(tensors))
         return self._gloo.send(tensors, dst, tag)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from zcore import checkpoint
 from zcore.comm import DistributedContext
@@ -30,6 +31,7 @@ from zcore.monitors import close_all, open_monitors
 from zcore.policies import Policies
 from zcore.sharded_optimizer import Publisher, ShardedOptimizer, StepResult
 from zcore.step_metrics import Phase, StepMetrics, StepRecord
+from zcore.topology import DataParallelRanks
 
 log = logging.getLogger("zcore")
 # wall_clock_breakdown's lines: printed even where the application set up no logging.
@@ -122,8 +124,10 @@ class Engine:
         batch: BatchSizes,
         residency: ParamResidency,
         hook_handles: list,
+        ranks: DataParallelRanks,
     ) -> None:
         self.module = module
+        self.ranks = ranks
         self.policies = policies
         self.residency = residency
         self.optimizer = optimizer
@@ -388,6 +392,14 @@ class Engine:
     @property
     def zero_stage(self) -> int:
         return self.policies.stage.stage
+
+    @property
+    def device_mesh(self) -> Optional[DeviceMesh]:
+        """The nodes x ranks mesh hpZ, MiCS and qgZ use (the one given to
+        zcore.initialize, or built from LOCAL_WORLD_SIZE); None where no
+        feature needed one."""
+        topology = self.ranks.topology
+        return topology.mesh if topology is not None else None
 
     def train_batch_size(self) -> int:
         return self.batch.train_batch_size

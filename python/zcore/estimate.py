@@ -335,9 +335,9 @@ class Layout:
         stage, compute = policies.stage, precision.compute_dtype
         if stage.shards_parameters:
             if model.groups is None:
-                return Layout([Shard(0, model.trainable, stage.world_size, compute, True)], 0, False)
+                return Layout([Shard(0, model.trainable, stage.shard_size, compute, True)], 0, False)
             shards = [
-                Shard(i, numels, stage.world_size, compute if dtype.is_floating_point else dtype, trained)
+                Shard(i, numels, stage.shard_size, compute if dtype.is_floating_point else dtype, trained)
                 for i, (numels, trained, dtype) in enumerate(model.groups)
             ]
             return Layout(shards, 0, True)
@@ -514,9 +514,9 @@ def _stage3_buffers(
         return
     offloaded = sum(g.shard_numel * g.dtype.itemsize for g, p in zip(groups, persistent) if not p)
     if layout.groups_known:
-        staging = staging_bytes(groups, coordinator, policies.stage.world_size, offload)
+        staging = staging_bytes(groups, coordinator, policies.stage.shard_size, offload)
     else:
-        staging = 2 * bucket // policies.stage.world_size * groups[0].dtype.itemsize
+        staging = 2 * bucket // policies.stage.shard_size * groups[0].dtype.itemsize
     on_nvme = _nvme_groups(layout, offload, threshold)
     if on_nvme:
         pool = nvme_host_bytes(on_nvme, staging) if layout.groups_known else staging

@@ -12,7 +12,10 @@ Two policies:
 - ``AccumulateThenReduce`` (stages 0 and 1): gradients accumulate locally in
   a full-size fp32 buffer across micro-steps and are reduced once, during the
   backward of the boundary micro-step: all-reduce (stage 0, every rank keeps
-  the whole unit) or reduce-scatter into this rank's shard (stage 1).
+  the whole unit) or reduce-scatter into this rank's shard (stage 1). At
+  stage 0 an optimizer that averages over the ranks itself on some steps
+  (zcore.optim.CompressedAdam: 1-bit Adam, 0/1 Adam) says which; on those
+  the buffer keeps this rank's own gradient, averaged over micro-steps.
 - ``ReduceScatterEveryMicroStep`` (stages 2 and 3): every micro-step's
   gradients are reduce-scattered and accumulated in fp32 into this rank's
   shard (zcore.gradient_shards: in memory, or on NVMe with the optimizer);
@@ -21,19 +24,28 @@ Two policies:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from zcore import comm
 from zcore.gradient_shards import GradientShards, ResidentGradients, squared_norm_of
 from zcore.partition import Unit
+from zcore.topology import RankGroup
 
 # Stage 2 keeps at most this many reduce-scatters in flight before retiring
 # the oldest, which bounds the transient unit-sized buffers.
 MAX_REDUCES_IN_FLIGHT = 2
 
 ReduceScatter = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+class GradientAveraging(Protocol):
+    """An optimizer that averages over the ranks itself on some steps
+    (zcore.optim.CompressedAdam)."""
+
+    def takes_averaged_gradients(self) -> bool:
+        """Whether the coming step expects gradients averaged over the ranks."""
 
 
 class _UnitTracker:
@@ -88,6 +100,9 @@ class GradientReducer:
         self.reduce_scatter = reduce_scatter
         self.tracker = _UnitTracker(units)
         self.boundary = True
+        # Whether this window's gradients, at its boundary, are averaged over
+        # the ranks (False: each rank's own, for an optimizer that averages itself).
+        self.averaged = True
         # 1 where a parameter received a gradient on this rank in the current
         # accumulation window; all-reduced (max) at the boundary. Lists:
         # written once per gradient, made a tensor once per window.
@@ -176,6 +191,9 @@ class AccumulateThenReduce(GradientReducer):
     ) -> None:
         super().__init__(units, world_size, reduce_dtype, reduce_scatter)
         self.sharded = sharded
+        # Stage 0: the optimizer, when it decides which steps' gradients are
+        # averaged (zcore.initialize sets it); None: every step's are.
+        self.averaging: Optional[GradientAveraging] = None
         self.acc = [torch.zeros(u.padded_numel, dtype=torch.float32, device=u.device) for u in units]
         self.shards = (
             [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for u in units]
@@ -184,14 +202,19 @@ class AccumulateThenReduce(GradientReducer):
         )
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
 
+    def begin_micro_step(self, boundary: bool) -> None:
+        super().begin_micro_step(boundary)
+        if boundary:  # the optimizer's phase changes only in its step, before this
+            self.averaged = self.averaging is None or self.averaging.takes_averaged_gradients()
+
     def _reduces_this_micro_step(self) -> bool:
-        return self.boundary
+        return self.boundary and self.averaged
 
     def _accumulate(self, unit: int, index: int, grad: torch.Tensor) -> None:
         self.units[unit].param_slice(self.acc[unit], index).add_(grad.reshape(-1))
 
     def _launch(self, units: list[int]) -> None:
-        if not self.boundary:
+        if not self._reduces_this_micro_step():
             return
         for u in units:
             send = self.acc[u].to(self.reduce_dtype)  # acc itself in fp32
@@ -230,17 +253,25 @@ class AccumulateThenReduce(GradientReducer):
 
 
 class ReduceScatterEveryMicroStep(GradientReducer):
-    """Stages 2 and 3."""
+    """Stages 2 and 3. With MiCS (stage 3), each bucket is reduce-scattered
+    within the shard group every micro-step, and at the accumulation
+    boundary each rank's window total is summed over its replicas (the
+    ranks of other shard groups holding the same shard), once per step as
+    DeepSpeed's MiCS does."""
 
     sharded = True  # each rank holds only its shard of the gradients
 
     def __init__(
         self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
-        grads: GradientShards | None = None,
+        grads: GradientShards | None = None, shard_size: int | None = None, replicas: RankGroup | None = None,
     ) -> None:
-        """``grads``: where the shards accumulate (default: in memory, on the device)."""
+        """``grads``: where the shards accumulate (default: in memory, on the
+        device). ``shard_size``: the ranks ``reduce_scatter`` runs over
+        (default: the world); ``replicas``: MiCS's replica group."""
         super().__init__(units, world_size, reduce_dtype, reduce_scatter)
         self.grads = grads if grads is not None else ResidentGradients(units)
+        self.shard_size = world_size if shard_size is None else shard_size
+        self.replicas = replicas
         self.buckets: list[torch.Tensor | None] = [None] * len(units)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
 
@@ -263,7 +294,7 @@ class ReduceScatterEveryMicroStep(GradientReducer):
             send = self._bucket(u)
             self.buckets[u] = None
             out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
-            if self.world_size > 1:
+            if self.shard_size > 1:
                 work = self.reduce_scatter(out, send)
             else:
                 out.copy_(send)
@@ -276,7 +307,12 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         u, out, _, work = entry
         if work is not None:
             work.wait()
-        self.grads.add(u, out, 1.0 / self.world_size, final=self.boundary)
+        if self.replicas is None or not self.boundary:
+            self.grads.add(u, out, 1.0 / self.world_size, final=self.boundary)
+            return
+        total = self.grads.get(u).add(out.to(torch.float32), alpha=1.0 / self.world_size)
+        comm.all_reduce_sum(total, group=self.replicas.group)
+        self.grads.put(u, total)
 
     def _retire_all(self) -> None:
         for entry in self._pending:

@@ -37,6 +37,10 @@ class ResidentGradients:
     def add(self, unit: int, values: torch.Tensor, alpha: float, final: bool) -> None:
         self.shards[unit].add_(values.to(torch.float32), alpha=alpha)
 
+    def put(self, unit: int, values: torch.Tensor) -> None:
+        """The unit's final values of the window."""
+        self.shards[unit].copy_(values)
+
     def get(self, unit: int) -> torch.Tensor:
         return self.shards[unit]
 
@@ -75,6 +79,12 @@ class SwappedGradients:
             total = values.to(device="cpu", dtype=torch.float32, copy=True).mul_(alpha)
         if final:
             self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
+        self._write(unit, total)
+
+    def put(self, unit: int, values: torch.Tensor) -> None:
+        """The unit's final values of the window (fp32, kept until written)."""
+        total = values.to(device="cpu", dtype=torch.float32)
+        self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
         self._write(unit, total)
 
     def get(self, unit: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from zcore import _C, comm, gathered_parameters, hooks
 from zcore.background_step import BackgroundStep
@@ -34,8 +35,9 @@ from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tie
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.quantized_collectives import gradient_reduce_scatter
+from zcore.topology import DataParallelRanks, RankGroup, Topology, build_topology
 from zcore.progress import progress_bar
-from zcore.optim import CPUAdam
+from zcore.optim import CompressedAdam, CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
 from zcore.sharded_parameter import mark_sharded, refuse_empty_state_dicts
 from zcore.synced_generation import sync_generation
@@ -78,6 +80,7 @@ def initialize(
     lr_scheduler: Any = None,
     collate_fn: Optional[Callable] = None,
     meta_init: Optional[MetaInit] = None,
+    device_mesh: Optional[DeviceMesh] = None,
 ) -> tuple[Engine, Optional[ShardedOptimizer], Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -89,6 +92,8 @@ def initialize(
     receives parameter groups and returns an optimizer. A model built on
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
+    ``device_mesh``: which ranks share a node, for hpZ, MiCS and qgZ
+    (zcore.topology); default: nodes of LOCAL_WORLD_SIZE ranks.
 
     With no optimizer at all (none passed, none configured), the engine is
     for forward passes and generation only (ZeRO-Inference): parameters are
@@ -105,6 +110,7 @@ def initialize(
     if precision.compute_dtype != torch.float32 and not precision.cast_buffers:
         _check_norm_statistics(model, precision.compute_dtype)  # before the model is changed
     policies = policies_from_config(cfg, context)
+    ranks = _data_parallel_ranks(policies, device_mesh, context)
 
     on_meta = is_meta(model)
     if on_meta and not policies.stage.shards_parameters:
@@ -115,7 +121,7 @@ def initialize(
         )
     meta = (meta_init or MetaInit()) if on_meta else None
     if optimizer is None and cfg.optimizer is None:
-        engine = _inference_engine(model, cfg, context, precision, policies, meta)
+        engine = _inference_engine(model, cfg, context, precision, policies, ranks, meta)
         _WRAPPED.add(model)
         return engine, None, _data_loader(training_data, engine.batch, context, collate_fn), None
     batch = BatchSizes(*cfg.batch_sizes(context.world_size))
@@ -123,9 +129,9 @@ def initialize(
     master: Union[MasterShards, SwappedMaster]
     if policies.stage.shards_parameters:
         groups = collect_param_groups(model, optimizer, model_parameters)
-        plan, sharded_groups, hooked = _plan_shards(model, context, precision)
+        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks.shard)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
-        fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, context, policies)
+        fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, policies, ranks)
         master = _master(units, offload, context)
         _fill(plan, sharded_groups, context, meta, fetcher, master, units)
         fetcher_hooks += _present_sharded(model, sharded_groups, context)
@@ -145,7 +151,9 @@ def initialize(
     _cast_model(model, layouts, precision)
 
     inner = build_optimizer(optimizer, cfg, offload, groups, master.piece_of())
-    reducer = _reducer(policies.stage, offload, policies.comm, units, precision)
+    reducer = _reducer(policies.stage, offload, policies.comm, units, precision, ranks)
+    if isinstance(inner, CompressedAdam):  # 1-bit or 0/1 Adam (stage 0): it says which steps' gradients are averaged
+        reducer.averaging = inner
     handles = hooks.register_gradient_hooks(units, reducer)
     residency: ParamResidency
     publisher: Publisher
@@ -165,12 +173,12 @@ def initialize(
         update=_update(inner, master, reducer, shards, offload),
         precision=precision,
         gradient_clipping=cfg.gradient_clipping,
-        world_size=context.world_size,
+        shard=ranks.shard,
         publisher=publisher,
         group_params=[g["params"] for g in groups.groups],
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
-    engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles)
+    engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles, ranks)
     _WRAPPED.add(model)
     loader = _data_loader(training_data, batch, context, collate_fn)
     return engine, sharded, loader, scheduler
@@ -202,6 +210,7 @@ def _inference_engine(
     context: comm.DistributedContext,
     precision: MixedPrecision,
     policies: Policies,
+    ranks: DataParallelRanks,
     meta_init: Optional[MetaInit],
 ) -> Engine:
     """ZeRO-Inference: parameters placed as the stage says (stage 3: sharded,
@@ -215,8 +224,8 @@ def _inference_engine(
     residency: ParamResidency
     handles: list = []
     if policies.stage.shards_parameters:
-        plan, groups, hooked = _plan_shards(model, context, precision)
-        fetcher, handles = _fetcher(model, groups, hooked, cfg, context, policies)
+        plan, groups, hooked = _plan_shards(model, context, precision, ranks.shard)
+        fetcher, handles = _fetcher(model, groups, hooked, cfg, policies, ranks)
         _fill(plan, groups, context, meta_init, fetcher)
         handles += _present_sharded(model, groups, context)
         handles += hooks.register_backward_exit_hooks(fetcher)
@@ -226,7 +235,7 @@ def _inference_engine(
         _place_and_synchronise(model, context)
         _cast_model(model, [], precision)
         residency = ResidentParams([], KeepUnits())
-    return Engine(model, None, None, cfg, policies, context, batch, residency, handles)
+    return Engine(model, None, None, cfg, policies, context, batch, residency, handles, ranks)
 
 
 def _fetcher(
@@ -234,18 +243,19 @@ def _fetcher(
     groups: list[ShardedGroup],
     hooked: list[tuple[torch.nn.Module, list[int]]],
     cfg: Config,
-    context: comm.DistributedContext,
     policies: Policies,
+    ranks: DataParallelRanks,
 ) -> tuple[ParamFetcher, list]:
     """Stage 3's parameter fetcher over the groups, with its module hooks
     (the parameters' hooks come once ``_fill`` has materialised them: a
     meta parameter's hooks do not survive materialisation)."""
     zero, offload = cfg.zero_optimization, policies.offload
     fetcher = ParamFetcher(
-        model, groups, hooked, coordinator_config(zero), context.world_size, offload,
+        model, groups, hooked, coordinator_config(zero), ranks.shard, offload,
         check_every_module=zero.stage3_rank_agreement_check == "every_module",
         swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
         comm_policy=policies.comm,
+        topology=ranks.topology,
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
     gathered_parameters.track(fetcher)
@@ -317,7 +327,7 @@ def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedCont
 
 
 def _plan_shards(
-    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision
+    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision, shard: RankGroup
 ) -> tuple[GroupPlan, list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
     """Stage 3: which parameters form which group, and the groups (without
     values: ``_fill`` gives them); buffers go to the device whole, rank 0's
@@ -331,7 +341,7 @@ def _plan_shards(
         with torch.no_grad():
             comm.broadcast_from_rank0([b for b in model.buffers() if not b.is_meta])
     plan = plan_groups(model)
-    groups, hooked = build_groups(plan, context.world_size, context.rank, context.device, precision.compute_dtype)
+    groups, hooked = build_groups(plan, shard.size, shard.rank, context.device, precision.compute_dtype)
     return plan, groups, hooked
 
 
@@ -511,9 +521,10 @@ def _check_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _reducer(
-    stage: StagePolicy, offload: OffloadPolicy, comm_policy: CommPolicy, units: list[Unit], precision: MixedPrecision
+    stage: StagePolicy, offload: OffloadPolicy, comm_policy: CommPolicy, units: list[Unit], precision: MixedPrecision,
+    ranks: DataParallelRanks,
 ) -> GradientReducer:
-    reduce_scatter = gradient_reduce_scatter(comm_policy.quantized_gradients, stage.world_size)
+    reduce_scatter = gradient_reduce_scatter(comm_policy.quantized_gradients, ranks.shard, _nodes(ranks))
     if stage.reduce_scatters_every_micro_step:
         grads = None
         if offload.optimizer_swap is not None:  # gradient shards go where the optimizer runs
@@ -522,10 +533,59 @@ def _reducer(
                 "gradients", gradient_swap_capacity(units, PAGE_ALIGNMENT), 3 * (largest + PAGE_ALIGNMENT)
             )
             grads = SwappedGradients(units, swap, pending_limit=2 * largest)
-        return ReduceScatterEveryMicroStep(units, stage.world_size, precision.reduce_dtype, reduce_scatter, grads)
+        return ReduceScatterEveryMicroStep(
+            units, stage.world_size, precision.reduce_dtype, reduce_scatter, grads,
+            shard_size=ranks.shard.size, replicas=ranks.replicas,
+        )
     return AccumulateThenReduce(
         units, stage.world_size, precision.reduce_dtype, reduce_scatter, sharded=stage.shards_optimizer_states
     )
+
+
+def _data_parallel_ranks(
+    policies: Policies, device_mesh: Optional[DeviceMesh], context: comm.DistributedContext
+) -> DataParallelRanks:
+    """Stage 3's shard and replica groups, from the nodes (zcore.topology)
+    where hpZ, MiCS or qgZ needs to know them, or a mesh was given.
+    Collective: every rank creates the same process groups."""
+    stage, wire = policies.stage, policies.comm
+    hierarchical = stage.replicates_shards or wire.hpz_size > 1 or wire.hierarchical_gather or wire.quantized_gradients
+    if device_mesh is None and not hierarchical:
+        return DataParallelRanks(RankGroup.world())
+    topology = build_topology(device_mesh, context.device.type)
+    if wire.hierarchical_gather:
+        _check_spans_nodes(stage.shard_size, topology)
+    if not stage.replicates_shards:
+        return DataParallelRanks(RankGroup.world(), None, topology)
+    return DataParallelRanks(topology.blocks(stage.shard_size), topology.strided(stage.shard_size), topology)
+
+
+def _check_spans_nodes(shard_size: int, topology: Topology) -> None:
+    h = topology.local_size
+    if shard_size <= h or shard_size % h:
+        raise ConfigError(
+            f"zero_optimization.mics_hierarchical_params_gather gathers shard groups that span several whole "
+            f"nodes, but mics_shard_size is {shard_size} with {h} ranks per node (LOCAL_WORLD_SIZE or the "
+            f"device mesh); set mics_shard_size to a multiple of {h} above it, or remove the key"
+        )
+    if not topology.in_rank_order:
+        raise ConfigError(
+            "zero_optimization.mics_hierarchical_params_gather needs nodes of consecutive ranks, as torchrun "
+            "numbers them; the device mesh given orders them otherwise: pass one in rank order"
+        )
+
+
+def _nodes(ranks: DataParallelRanks) -> Optional[tuple[RankGroup, RankGroup]]:
+    """qgZ's two levels within the shard group: this rank's node and the
+    ranks with its local index on the group's other nodes, where the group
+    spans several nodes of several ranks each, numbered node by node."""
+    topology, size = ranks.topology, ranks.shard.size
+    if topology is None or not topology.in_rank_order:
+        return None
+    h = topology.local_size
+    if h == 1 or size <= h or size % h:
+        return None
+    return topology.node_local(), topology.across_nodes_within(size)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

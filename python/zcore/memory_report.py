@@ -193,7 +193,8 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 
 
 # Theoretical (the ZeRO paper's figures for this model; padding is not counted).
-# With Psi trained elements, N ranks and p bytes per compute-dtype element:
+# With Psi trained elements, N ranks sharding (the world, or MiCS's shard
+# group) and p bytes per compute-dtype element:
 # - parameters: stages 0-2 p*Psi on the device (and frozen parameters whole);
 #   stage 3 p*numel/N per group on offload_param's tier, except that a
 #   persistent group (below stage3_param_persistence_threshold) keeps its
@@ -212,7 +213,7 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 # - buffers: the module's, whole on the device on every rank.
 def _theory_sharded_parameters(fetcher: ParamFetcher, policies: Policies, steps: bool, table: _Table) -> None:
     """``steps``: an optimizer changes the trained groups between steps."""
-    offload, world, hpz = policies.offload, policies.stage.world_size, policies.comm.hpz_size
+    offload, world, hpz = policies.offload, policies.stage.shard_size, policies.comm.hpz_size
     kept, spilled = 0, False  # offload_param.max_in_cpu: NVMe shards kept in host memory, in order
     for g in fetcher.groups:
         full = g.numel * g.dtype.itemsize
@@ -233,7 +234,7 @@ def _theory_sharded_parameters(fetcher: ParamFetcher, policies: Policies, steps:
 def _theory_states(policies: Policies, units: list[Unit], device: torch.device, table: _Table) -> None:
     stage, offload = policies.stage, policies.offload
     psi = sum(u.numel for u in units)
-    shards = stage.world_size if stage.shards_optimizer_states else 1
+    shards = stage.shard_size if stage.shards_optimizer_states else 1
     shard = psi // shards
     full_accumulator = 4 * psi if not stage.reduce_scatters_every_micro_step else 0
     reduced = 4 * shard if stage.shards_optimizer_states else 0

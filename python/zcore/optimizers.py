@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from zcore.config import Config
+from zcore.config import Config, OneBitAdamConfig, ZeroOneAdamConfig
 from zcore.errors import ConfigError
-from zcore.optim import CPUAdam
+from zcore.optim import CompressedAdam, CPUAdam, OneBitAdam, ZeroOneAdam
 from zcore.policies import OffloadPolicy, Tier
 
 # Optimizers whose update is element-wise, so that running them on any slice
@@ -112,6 +112,7 @@ def build_optimizer(
             "zcore.initialize(optimizer=...); keep one"
         )
     if isinstance(optimizer, torch.optim.Optimizer):
+        _check_compressed(optimizer, cfg, offload)
         _check_elementwise(optimizer, cfg)
         _check_swappable(optimizer, offload)
         # Re-point the user's optimizer (so schedulers built on it keep working).
@@ -124,6 +125,7 @@ def build_optimizer(
             raise TypeError(
                 f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
             )
+        _check_compressed(built, cfg, offload)
         _check_elementwise(built, cfg)
         _check_swappable(built, offload)
         return built
@@ -132,6 +134,10 @@ def build_optimizer(
             "no optimizer: add an 'optimizer' section to the config (type Adam or AdamW) or pass "
             "zcore.initialize(optimizer=...)"
         )
+    if isinstance(cfg.optimizer, (OneBitAdamConfig, ZeroOneAdamConfig)):
+        compressed = _compressed_adam(cfg.optimizer, piece_groups)
+        _check_compressed(compressed, cfg, offload)
+        return compressed
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
     if offload.optimizer is Tier.NVME and p.torch_adam:
@@ -148,6 +154,43 @@ def build_optimizer(
         )
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+
+
+def _compressed_adam(
+    config: Union[OneBitAdamConfig, ZeroOneAdamConfig], piece_groups: list[dict]
+) -> CompressedAdam:
+    """The configured 1-bit Adam or 0/1 Adam; the keys DeepSpeed takes and
+    never applies were checked by the config and change nothing here."""
+    p = config.params
+    adam = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay}
+    if isinstance(config, OneBitAdamConfig):
+        return OneBitAdam(piece_groups, freeze_step=p.freeze_step, **adam)
+    return ZeroOneAdam(
+        piece_groups, var_freeze_step=p.var_freeze_step, var_update_scaler=p.var_update_scaler,
+        local_step_scaler=p.local_step_scaler, local_step_clipper=p.local_step_clipper, **adam,
+    )
+
+
+def _check_compressed(optimizer: torch.optim.Optimizer, cfg: Config, offload: OffloadPolicy) -> None:
+    """1-bit Adam and 0/1 Adam take the place of stage 0's gradient
+    all-reduce on their compressed steps: they need every rank to hold whole
+    gradients and to step on the device (DeepSpeed allows them without ZeRO only)."""
+    if not isinstance(optimizer, CompressedAdam):
+        return
+    name = type(optimizer).__name__
+    stage = cfg.zero_optimization.stage
+    if stage != 0:
+        raise ConfigError(
+            f"{name} averages each rank's whole gradients or momentum itself, in 1-bit messages, in "
+            f"place of ZeRO stage 0's all-reduce; zero_optimization.stage is {stage}, which reduce-scatters "
+            "gradients into shards (DeepSpeed refuses ZeRO with it too): set zero_optimization.stage to 0"
+        )
+    if offload.optimizer is not Tier.DEVICE:
+        raise ConfigError(
+            f"{name} steps where its compressed all-reduce runs, on the device, but "
+            f"zero_optimization.offload_optimizer.device is {offload.optimizer.value!r} (DeepSpeed offloads "
+            "only under ZeRO, which it refuses with this optimizer): set offload_optimizer.device to 'none'"
+        )
 
 
 def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:

@@ -44,6 +44,7 @@ from zcore.secondary_partition import weight_gathers
 from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
 from zcore.swap import SwapManager
+from zcore.topology import RankGroup, Topology
 from zcore.use_sites import ModelNames, UseSites
 
 log = logging.getLogger("zcore")
@@ -87,11 +88,12 @@ class ParamFetcher:
         groups: list[ShardedGroup],
         modules: list[tuple[torch.nn.Module, list[int]]],
         config: _C.CoordinatorConfig,
-        world_size: int,
+        shard: RankGroup,
         offload: OffloadPolicy,
         check_every_module: bool = False,
         swap: Optional[Callable[[int, int], SwapManager]] = None,
         comm_policy: CommPolicy = CommPolicy(),
+        topology: Optional[Topology] = None,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
@@ -104,14 +106,16 @@ class ParamFetcher:
         ``offload.nvme_host_elements`` in host memory); ``swap(capacity,
         host_bytes)`` opens the
         swap file of NVMe shards, with a host pool of ``host_bytes`` for reads.
-        ``comm_policy``: all-gathers in int8 (ZeRO++ qwZ), and (hpZ) within
-        blocks of ranks from a secondary partition: then collective, every
-        rank creates the blocks' process groups."""
+        ``shard``: the ranks each group's shards spread over (the world, or
+        a MiCS shard group). ``comm_policy``: all-gathers in int8 (ZeRO++
+        qwZ), in two levels (MiCS), and (hpZ) within blocks of ranks from a
+        secondary partition: the last two collective, every rank creates
+        the groups ``topology`` gives."""
         self.groups = groups
-        self.world_size = world_size
+        self.shard = shard
         tier = _TIERS[offload.parameters]
         if tier != _C.ShardTier.DEVICE:
-            config.staging_bytes = staging_bytes(groups, config, world_size, offload)
+            config.staging_bytes = staging_bytes(groups, config, shard.size, offload)
         config.nvme_host_elements = offload.nvme_host_elements
         self.coordinator = _C.ParamCoordinator(config)
         for g in groups:
@@ -139,9 +143,9 @@ class ParamFetcher:
         persistent = [self.coordinator.persistent(g.index) for g in groups]
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
-        self.gathers = weight_gathers(comm_policy, world_size, persistent)
+        self.gathers = weight_gathers(comm_policy, shard, persistent, topology)
         self._plans = PlanExecutor(
-            self.coordinator, groups, self.buffers, self._store, self._sites, world_size, check_every_module,
+            self.coordinator, groups, self.buffers, self._store, self._sites, shard, check_every_module,
             self.gathers,
         )
         self._calls = CallTracker(self._plans, groups)
@@ -373,7 +377,7 @@ class ParamFetcher:
         self.finish_update()  # the master is written below
         g = self.groups[group]
         full = self.buffers.current(group)
-        if self.world_size > 1:
+        if torch.distributed.get_world_size() > 1:
             torch.distributed.broadcast(full, src=source_rank)
         values = g.shard_of(full)
         self.gathers.drop([group])

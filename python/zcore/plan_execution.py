@@ -31,6 +31,7 @@ from zcore.recording_checks import RankAgreement, signature
 from zcore.secondary_partition import WeightGathers
 from zcore.shard_store import ShardStore
 from zcore.sharded_group import ShardedGroup
+from zcore.topology import RankGroup
 from zcore.use_sites import UseSites
 
 
@@ -62,21 +63,23 @@ class PlanExecutor:
         buffers: GatherBuffers,
         store: ShardStore,
         sites: UseSites,
-        world_size: int,
+        shard: RankGroup,
         check_every_module: bool,
         gathers: WeightGathers,
     ) -> None:
         """``check_every_module``: ranks agree on every use, not only on the
         uses no trace foresaw (config stage3_rank_agreement_check).
-        ``gathers``: how a group's all-gather goes, over the world or (hpZ)
-        within a block of ranks (zcore.secondary_partition)."""
+        ``shard``: the ranks each group's shards spread over (the world, or
+        a MiCS shard group). ``gathers``: how a group's all-gather goes,
+        over them or (hpZ) within a block of ranks (zcore.secondary_partition)."""
         self.coordinator = coordinator
         self.buffers = buffers
         self._store = store
-        self.world_size = world_size
+        self.shard = shard
         self._slots = [_GroupSlot(g) for g in groups]
         self._sites = sites
-        self._agreement = RankAgreement(groups[0].device) if world_size > 1 and groups else None
+        world = torch.distributed.get_world_size()
+        self._agreement = RankAgreement(groups[0].device) if world > 1 and groups else None
         self._check_every_module = check_every_module
         self._gathers = gathers
         self._entering: list[int] = []  # groups of the site being entered
@@ -166,7 +169,7 @@ class PlanExecutor:
         stale = [g for g in groups if self.buffers.persistent[g.index] and self.buffers.holds(g.index)]
         if not stale:
             return
-        if self.world_size == 1:
+        if self.shard.size == 1:
             for g in stale:
                 self.buffers.current(g.index).copy_(g.local_shard)
             return
@@ -176,12 +179,12 @@ class PlanExecutor:
 
     def _all_gather_into_place(self, stale: list[ShardedGroup]) -> None:
         send = torch.cat([g.local_shard for g in stale])
-        recv = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
-        comm.all_gather_into(recv, send)
-        recv = recv.view(self.world_size, -1)
+        recv = torch.empty(self.shard.size * send.numel(), dtype=send.dtype, device=send.device)
+        comm.all_gather_into(recv, send, group=self.shard.group)
+        recv = recv.view(self.shard.size, -1)
         start = 0
         for g in stale:
-            full = self.buffers.current(g.index).view(self.world_size, g.shard_numel)
+            full = self.buffers.current(g.index).view(self.shard.size, g.shard_numel)
             full.copy_(recv[:, start : start + g.shard_numel])
             start += g.shard_numel
 
@@ -201,7 +204,7 @@ class PlanExecutor:
                     self._slots[other].group.point_params_at(self.buffers.current(other))
         slot = self._slots[group]
         shard = self._store.source(group)
-        if self.world_size == 1:
+        if self.shard.size == 1:
             buf.copy_(shard)
             slot.gather = _InFlight(None)
         else:

@@ -58,6 +58,15 @@ class StagePolicy:
     stage: int
     world_size: int
     rank: int
+    # Stage 3: the ranks each parameter group is sharded over, in blocks of
+    # consecutive ranks that each hold the whole model (MiCS); the world
+    # without MiCS.
+    shard_size: int
+
+    @property
+    def replicates_shards(self) -> bool:
+        """MiCS: several shard groups, each rank's shard held by one rank of each."""
+        return self.shard_size < self.world_size
 
     @property
     def shards_parameters(self) -> bool:
@@ -127,6 +136,8 @@ class CommPolicy:
     # Ranks per hpZ block (contiguous global ranks, a node) within which a
     # group gathered once is gathered again from secondaries; 1: none.
     hpz_size: int = 1
+    # MiCS: a shard group spanning nodes gathers across nodes, then within.
+    hierarchical_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,9 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
     cuda = context.device.type == "cuda"
     explicit = {"buffer_count", "buffer_size"} & param.model_fields_set
     return Policies(
-        stage=StagePolicy(zero.stage, context.world_size, context.rank),
+        stage=StagePolicy(
+            zero.stage, context.world_size, context.rank, _mics_size(zero.mics_shard_size, context.world_size)
+        ),
         offload=OffloadPolicy(
             optimizer=optimizer,
             pin_memory=optimizer is not Tier.DEVICE and opt.pin_memory and cuda,
@@ -166,6 +179,7 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
             quantized_weights=zero.zero_quantized_weights and context.world_size > 1,
             quantized_gradients=zero.zero_quantized_gradients and context.world_size > 1,
             hpz_size=_hpz_size(zero.zero_hpz_partition_size, context.world_size),
+            hierarchical_gather=zero.mics_hierarchical_params_gather and context.world_size > 1,
         ),
     )
 
@@ -182,6 +196,19 @@ def _hpz_size(size: int, world: int) -> int:
             f"zero_optimization.zero_hpz_partition_size = {size} must divide the world size ({world}): hpZ "
             f"blocks are {size} consecutive ranks, one node each; set it to the ranks per node "
             f"(LOCAL_WORLD_SIZE), a divisor of {world}, or 1 to turn hpZ off"
+        )
+    return size
+
+
+def _mics_size(size: int, world: int) -> int:
+    """The ranks stage 3 shards over: MiCS's groups of ``size``, or the world."""
+    if size == -1:
+        return world
+    if size > world or world % size:
+        raise ConfigError(
+            f"zero_optimization.mics_shard_size = {size} must divide the world size ({world}): MiCS shards "
+            f"each copy of the model over {size} consecutive ranks and replicates it across the groups; "
+            f"set it to a divisor of {world} (the ranks per node is the usual choice) or -1 to turn MiCS off"
         )
     return size
 

@@ -13,13 +13,24 @@ reduce-scatters (qgZ, ``zero_quantized_gradients``).
   included, quantized too, so that the sum is the same function of every
   rank's gradient) into fp32, in rank order. An fp32 bucket crosses the
   wire in about a seventh of its bytes (codes and scales).
+- qgZ across nodes: the same in two levels, so that each element crosses
+  the slow links once (``HierarchicalQuantizedReduceScatter``). Within the
+  node, an all-to-all of int4 slices brings each rank, from every
+  node-peer, the slices of the ranks with its local index on every node,
+  summed in fp32; those partial sums are requantized and an all-to-all
+  among the ranks with that local index (one per node) delivers each its
+  own slice from every node, summed in fp32 in node order. Each rank
+  sends as many bytes as the flat all-to-all, but only (nodes - 1) slices
+  cross nodes instead of (nodes - 1) x (ranks per node).
 
 One rank's slice travels as one byte buffer: its fp32 scales, then its
 codes, padded to 4 bytes so that every rank's scales stay aligned. The
 error: each element decodes to within half its block's scale (max|x|/127
-for weights, max|x|/7 for gradients), which the tests' tolerances derive
-from. A block holding NaN or Inf decodes to NaN, so fp16's overflow check
-still sees an overflowed gradient.
+for weights, max|x|/7 for gradients) per quantization, which the tests'
+tolerances derive from (two for the hierarchical path). A block holding
+NaN or Inf decodes to NaN, so fp16's overflow check still sees an
+overflowed gradient; after two levels too, as a NaN decoded in the first
+makes its block's scale NaN in the second.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import torch.distributed as dist
 
 from zcore import comm
 from zcore.quantization import code_dtype, dequantize, dequantize_add, quantize, quantized_shapes
+from zcore.topology import RankGroup
 
 # int8 weights: a block of 2048 adds 4 bytes of scale to 2048 of codes (0.2%).
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 2048
@@ -93,10 +105,13 @@ class QuantizedAllGather:
 
 
 class QuantizedReduceScatter:
-    """Sums ``full`` over ranks into this rank's ``shard`` (slice ``rank``
-    of ``full``), int4-quantized on the wire; ``wait()`` completes it."""
+    """Sums ``full`` over the ``world_size`` ranks of ``group`` (None: the
+    world) into this rank's ``shard`` (slice ``rank`` of ``full``),
+    int4-quantized on the wire; ``wait()`` completes it."""
 
-    def __init__(self, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
+    def __init__(
+        self, shard: torch.Tensor, full: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         self._shard = shard
         slices = full.view(world_size, -1)
         self._layout = _Slice(slices.shape[1], GRADIENT_BITS, GRADIENT_BLOCK)
@@ -106,19 +121,68 @@ class QuantizedReduceScatter:
             self._layout.pack(slices[rank], send[rank])
         self._received = torch.empty(world_size, n, dtype=torch.uint8, device=full.device)
         self._send = send
-        self._work: Any = comm.all_to_all(self._received.view(-1), send.view(-1), async_op=True)
+        self._work: Any = comm.all_to_all(self._received.view(-1), send.view(-1), async_op=True, group=group)
 
     def wait(self) -> None:
         if self._work is None:
             return
         self._work.wait()
         self._work = None
-        total = self._shard if self._shard.dtype == torch.float32 else torch.empty_like(self._shard, dtype=torch.float32)
-        total.zero_()
-        dequantize_add(total, [self._layout.unpack(r) for r in self._received], GRADIENT_BITS, GRADIENT_BLOCK)
-        if total is not self._shard:
-            self._shard.copy_(total)
+        _sum_into(self._shard, [self._layout.unpack(r) for r in self._received])
         self._received = self._send = None
+
+
+class HierarchicalQuantizedReduceScatter:
+    """Sums ``full`` over ``inter.size`` nodes of ``intra.size`` ranks,
+    numbered node by node, into this rank's ``shard`` (slice ``inter.rank *
+    intra.size + intra.rank``), int4-quantized at both levels (the module
+    docstring): the all-to-all
+    within the node (``intra``) starts here, ``wait()`` sums it and runs the
+    one across nodes (``inter``). Every slice is quantized apart, at both
+    levels, so that a block covers the same elements in both."""
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, intra: RankGroup, inter: RankGroup) -> None:
+        self._shard, self._inter = shard, inter
+        slices = full.view(inter.size, intra.size, -1)  # [node, local index]: that rank's slice
+        self._layout = _Slice(slices.shape[2], GRADIENT_BITS, GRADIENT_BLOCK)
+        n = self._layout.nbytes
+        # Row m goes to node-peer m: the slices of local index m on every node.
+        send = torch.empty(intra.size, inter.size, n, dtype=torch.uint8, device=full.device)
+        for local in range(intra.size):
+            for node in range(inter.size):
+                self._layout.pack(slices[node, local], send[local, node])
+        self._received = torch.empty_like(send)  # [node-peer, node]: for this local index
+        self._send = send
+        self._work: Any = comm.all_to_all(self._received.view(-1), send.view(-1), async_op=True, group=intra.group)
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        nodes, n, device = self._inter.size, self._layout.nbytes, self._received.device
+        partial = torch.zeros(nodes, self._layout.numel, dtype=torch.float32, device=device)
+        send = torch.empty(nodes, n, dtype=torch.uint8, device=device)
+        for node in range(nodes):  # this node's sum of that node's slice for this local index
+            pairs = [self._layout.unpack(r) for r in self._received[:, node]]
+            dequantize_add(partial[node], pairs, GRADIENT_BITS, GRADIENT_BLOCK)
+            self._layout.pack(partial[node], send[node])
+        self._received = self._send = None
+        received = torch.empty_like(send)  # [node]: that node's partial sum of this rank's slice
+        # Blocking: it sends what the first level summed, so it cannot start
+        # earlier; only the first level overlaps the backward pass.
+        comm.all_to_all(received.view(-1), send.view(-1), group=self._inter.group)
+        _sum_into(self._shard, [self._layout.unpack(r) for r in received])
+
+
+def _sum_into(shard: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``shard`` = the decoded ``pairs`` summed in fp32, in order: the same
+    order on every rank, so identical inputs give identical sums."""
+    total = shard if shard.dtype == torch.float32 else torch.empty_like(shard, dtype=torch.float32)
+    total.zero_()
+    dequantize_add(total, pairs, GRADIENT_BITS, GRADIENT_BLOCK)
+    if total is not shard:
+        shard.copy_(total)
 
 
 def weight_gather(
@@ -132,9 +196,48 @@ def weight_gather(
     return functools.partial(comm.all_gather_into, async_op=True, group=group)
 
 
-def gradient_reduce_scatter(quantized: bool, world_size: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """How the reducers start a bucket's reduce-scatter: ``reduce(shard,
-    full)`` returns what ``wait()`` completes."""
-    if quantized:
-        return functools.partial(QuantizedReduceScatter, world_size=world_size)
-    return comm.reduce_scatter_sum
+def gradient_reduce_scatter(
+    quantized: bool, over: RankGroup, nodes: Optional[tuple[RankGroup, RankGroup]] = None
+) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """How the reducers start a bucket's reduce-scatter over ``over``:
+    ``reduce(shard, full)`` returns what ``wait()`` completes. ``nodes``:
+    ``(intra, inter)``, this rank's node within ``over`` and the ranks with
+    its local index on every node of ``over``, whose positions must run
+    node by node; when ``over`` spans several nodes of several ranks, qgZ
+    then crosses nodes once (HierarchicalQuantizedReduceScatter)."""
+    if nodes is not None:
+        _check_node_major(over, *nodes)
+    if not quantized:
+        return functools.partial(comm.reduce_scatter_sum, group=over.group)
+    if nodes is not None and nodes[0].size > 1 and nodes[1].size > 1:
+        return functools.partial(HierarchicalQuantizedReduceScatter, intra=nodes[0], inter=nodes[1])
+    return functools.partial(QuantizedReduceScatter, world_size=over.size, group=over.group)
+
+
+def _check_node_major(over: RankGroup, intra: RankGroup, inter: RankGroup) -> None:
+    """Position p of ``over`` must be local index p % L on node p // L (L:
+    ``intra.size``), as the bucket's slices are laid out that way."""
+    local = intra.size
+    ranks = _global_ranks(over)
+    wanted_intra = ranks[inter.rank * local : (inter.rank + 1) * local]
+    wanted_inter = ranks[intra.rank :: local]
+    if (
+        over.size != local * inter.size
+        or over.rank != inter.rank * local + intra.rank
+        or _global_ranks(intra) != wanted_intra
+        or _global_ranks(inter) != wanted_inter
+    ):
+        raise ValueError(
+            f"the ranks of over ({ranks}, this rank at {over.rank}) are not numbered node by node as "
+            f"nodes=(intra {_global_ranks(intra)} at {intra.rank}, inter {_global_ranks(inter)} at "
+            f"{inter.rank}) says: position p must be local index p % {local} on node p // {local}; "
+            "build both from one zcore.topology.Topology whose mesh lists ranks in over's order, "
+            "or pass nodes=None for a flat reduce-scatter"
+        )
+
+
+def _global_ranks(group: RankGroup) -> list[int]:
+    """The world ranks of ``group``, by position."""
+    if group.group is None:
+        return list(range(group.size))
+    return dist.get_process_group_ranks(group.group)

@@ -2,7 +2,7 @@
 stage 3's gathered groups within a block of ranks (a node), so that a
 group's gathers after its first one stay within the block.
 
-Ranks form blocks of h consecutive global ranks (zcore.comm.rank_block).
+Ranks form blocks of h consecutive ranks (zcore.topology.Topology.blocks).
 The primary partition is unchanged: each rank keeps its 1/W shard of every
 group, and the masters, optimizer states, gradients and checkpoints follow
 it. When a group's all-gather over the world completes, each rank also
@@ -37,14 +37,15 @@ a group over the same kind of group: the world, or its block.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Protocol, Union
+from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
 
-from zcore import comm
+from zcore.hierarchical_gather import hierarchical_gather
 from zcore.policies import CommPolicy
 from zcore.quantized_collectives import weight_gather
+from zcore.topology import RankGroup, Topology
 
 Gather = Callable[[torch.Tensor, torch.Tensor], Any]  # gather(buffer, slice) -> what wait() completes
 
@@ -124,12 +125,22 @@ class SecondaryPartition:
 
 
 def weight_gathers(
-    policy: CommPolicy, world_size: int, persistent: list[bool]
+    policy: CommPolicy, shard: RankGroup, persistent: list[bool], topology: Optional[Topology]
 ) -> Union[WorldGathers, SecondaryPartition]:
-    """Stage 3's gathers as ``policy`` says (``persistent``: per group).
-    With hpZ, collective: every rank creates the blocks' process groups."""
-    world = weight_gather(policy.quantized_weights, world_size)
+    """Stage 3's gathers as ``policy`` says, over the ranks that hold a
+    group's shards (``shard``: the world, or a MiCS shard group);
+    ``persistent``: per group. With hpZ or a hierarchical gather,
+    collective: every rank creates the groups it needs from ``topology``."""
+
+    def over(group: RankGroup) -> Gather:
+        return weight_gather(policy.quantized_weights, group.size, group.group)
+
+    primary = over(shard)
+    if policy.hierarchical_gather:
+        assert topology is not None
+        primary = hierarchical_gather(over, topology.node_local(), topology.across_nodes_within(shard.size))
     if policy.hpz_size == 1:
-        return WorldGathers(world)
-    block = comm.rank_block(policy.hpz_size)
-    return SecondaryPartition(world, weight_gather(policy.quantized_weights, policy.hpz_size, block), block, persistent)
+        return WorldGathers(primary)
+    assert topology is not None
+    block = topology.blocks(policy.hpz_size)
+    return SecondaryPartition(primary, over(block), block.group, persistent)

@@ -24,6 +24,7 @@ from zcore.grad_reduction import GradientReducer
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
 from zcore.precision import MixedPrecision
+from zcore.topology import RankGroup
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class ShardedOptimizer:
         update: TorchUpdate,
         precision: MixedPrecision,
         gradient_clipping: float,
-        world_size: int,
+        shard: RankGroup,
         publisher: Publisher,
         group_params: list[list[torch.nn.Parameter]],
     ) -> None:
@@ -253,7 +254,7 @@ class ShardedOptimizer:
         self.precision = precision
         self.gradient_clipping = gradient_clipping
         self.measures_norm = False  # every step's gradient norm, for the step metrics
-        self.world_size = world_size
+        self.shard = shard  # the ranks whose gradient shards make up the whole (MiCS: the shard group)
         self.publisher = publisher
         self.units = master.units
         # The model parameters of each of the user's groups (the inner
@@ -280,7 +281,7 @@ class ShardedOptimizer:
         acts_on_norm = self.gradient_clipping > 0 or scaler.checks_overflow
         if acts_on_norm or self.measures_norm:
             norm = self._global_norm(inv_scale)
-            if acts_on_norm and not math.isfinite(norm):
+            if acts_on_norm and not self._finite_on_every_rank(norm):
                 scaler.update(overflow=True)
                 self._end_step()
                 return StepResult(skipped=True, grad_norm=norm)
@@ -339,10 +340,25 @@ class ShardedOptimizer:
         squares = self.reducer.squared_norm()
         if self.units:  # the collective runs on the units' device: NCCL has no CPU tensors
             squares = squares.to(self.units[0].device)
-        # Stage 0 reduces whole gradients: every rank already has the total.
-        if self.reducer.sharded and self.world_size > 1:
-            comm.all_reduce_sum(squares)
+        # Stage 0 reduces whole gradients: every rank already has the total
+        # (or, on a step where the optimizer averages itself, its own norm).
+        if self.reducer.sharded and self.shard.size > 1:
+            comm.all_reduce_sum(squares, group=self.shard.group)
         return math.sqrt(squares.item()) * inv_scale
+
+    def _finite_on_every_rank(self, norm: float) -> bool:
+        """Whether no rank's gradients overflowed. Averaged gradients are the
+        same everywhere, so each rank knows. A rank's own gradients (an
+        optimizer that averages itself: zcore.optim.CompressedAdam) are
+        clipped by their own norm, as DeepSpeed does, but an overflow on any
+        rank skips the step on all, as DeepSpeed's check agrees then too."""
+        finite = math.isfinite(norm)
+        if self.reducer.averaged:
+            return finite
+        device = self.units[0].device if self.units else torch.device("cpu")
+        overflowed = torch.tensor([0 if finite else 1], dtype=torch.int32, device=device)
+        comm.all_reduce_max(overflowed)
+        return overflowed.item() == 0
 
     def _end_step(self) -> None:
         self.update.detach_grads()

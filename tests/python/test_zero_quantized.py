@@ -83,11 +83,11 @@ def windows(losses: list[float], size: int = 10) -> list[float]:
     return [sum(losses[i : i + size]) / size for i in range(0, len(losses), size)]
 
 
-def assert_trains_alike(run: dict, base: dict) -> None:
+def assert_trains_alike(run: dict, base: dict, rel: float = 0.01) -> None:
     assert base["losses"][-1] < 0.5 * base["losses"][0]  # it learns: the comparison means something
     for ours, theirs in zip(windows(run["losses"]), windows(base["losses"])):
-        assert ours == pytest.approx(theirs, rel=0.01)
-    assert run["eval"] == pytest.approx(base["eval"], rel=0.01)
+        assert ours == pytest.approx(theirs, rel=rel)
+    assert run["eval"] == pytest.approx(base["eval"], rel=rel)
     assert run["losses"] != base["losses"]  # quantization did change something
 
 
@@ -133,7 +133,7 @@ def test_an_overflow_on_one_rank_survives_quantization_and_skips_the_step():
     [
         ({"stage": 2, "zero_quantized_weights": True}, r"zero_quantized_weights.*stage is 2.*set the stage to 3"),
         ({"stage": 0, "zero_quantized_gradients": True}, r"zero_quantized_gradients.*stage 0 all-reduces"),
-        ({"stage": 3, "mics_shard_size": 2}, r"mics_shard_size.*MiCS is not supported yet"),
+        ({"stage": 3, "mics_shard_size": 2}, r"mics_shard_size = 2 must divide the world size \(1\)"),
         ({"stage": 3, "zero_quantized_nontrainable_weights": True}, r"zero_quantized_nontrainable_weights"),
     ],
 )

@@ -66,6 +66,8 @@ class EngineLayout:
 
 def engine_layout(engine: Any) -> EngineLayout:
     module, optimizer, rank = engine.module, engine.optimizer, engine.context.rank
+    # MiCS: ranks of other shard groups hold the same shards; the first group's write them.
+    writes_shards = engine.ranks.writes_shards
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
@@ -81,13 +83,14 @@ def engine_layout(engine: Any) -> EngineLayout:
             infos[names[id(p)]] = TensorInfo(tuple(unit.shapes[i]), torch.float32, TRAINED)
         for meta, piece in zip(unit.pieces, pieces):
             name = names[id(unit.params[meta.param_index])]
-            layout.slots.append(Slot(name, meta.param_start, piece.detach(), not replicated or rank == 0, piece))
+            saves = writes_shards if not replicated else rank == 0
+            layout.slots.append(Slot(name, meta.param_start, piece.detach(), saves, piece))
 
     in_units = {id(p) for unit in units for p in unit.params}
     if engine.policies.stage.shards_parameters:
         for group in engine.residency.groups:
             if not group.trainable or optimizer is None:
-                _add_frozen_group(layout, infos, names, group)
+                _add_frozen_group(layout, infos, names, group, writes_shards)
     else:
         for p in module.parameters():
             if id(p) not in in_units:
@@ -110,7 +113,7 @@ def engine_layout(engine: Any) -> EngineLayout:
 
 
 def _add_frozen_group(
-    layout: EngineLayout, infos: dict[str, TensorInfo], names: dict[int, str], group: ShardedGroup
+    layout: EngineLayout, infos: dict[str, TensorInfo], names: dict[int, str], group: ShardedGroup, saves: bool
 ) -> None:
     for i, p in enumerate(group.params):
         infos[names[id(p)]] = TensorInfo(tuple(group.shapes[i]), group.dtype, FROZEN)
@@ -120,7 +123,7 @@ def _add_frozen_group(
             view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
         else:
             view = torch.empty(meta.numel, dtype=group.dtype, device="meta")
-        layout.slots.append(Slot(name, meta.param_start, view, True, group=group, shard_start=meta.shard_start))
+        layout.slots.append(Slot(name, meta.param_start, view, saves, group=group, shard_start=meta.shard_start))
 
 
 def describe(tensors: dict[str, TensorInfo]) -> dict[str, dict]:

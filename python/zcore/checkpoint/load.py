@@ -27,6 +27,7 @@ from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, 
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.optim import CompressedAdam
 from zcore.progress import progress_bar
 from zcore.swap import SwapManager
 from zcore.swapped_optimizer import SwappedMaster
@@ -441,6 +442,8 @@ def commit(engine: Any, staged: Staged) -> None:
                 for k, v in state.items()
             }
         training_state.apply_hyperparameters(inner, meta.optimizer.hyperparameters)
+        if isinstance(inner, CompressedAdam):  # error feedback and schedule start afresh, as in DeepSpeed
+            inner.restart_from_loaded_state()
         optimizer.precision.scaler.load_state_dict(meta.loss_scaler.as_dict())
     if staged.scheduler is not None:
         engine.lr_scheduler.load_state_dict(staged.scheduler)

@@ -16,6 +16,7 @@ import torch
 
 from zcore.checkpoint.files import shown
 from zcore.errors import CheckpointError
+from zcore.optim.compressed_adam import MOMENTUM_MASK
 
 _TENSOR_REF = "__zcore_tensor__"
 
@@ -40,10 +41,17 @@ def optimizer_kind(inner: torch.optim.Optimizer) -> str:
     return name
 
 
+# Group keys a checkpoint leaves out: 1-bit Adam's momentum mask is the
+# training script's to give at every start (DeepSpeed never loads it).
+_NOT_SAVED = {"params", MOMENTUM_MASK}
+
+
 def hyperparameters(inner: torch.optim.Optimizer) -> list[dict]:
     out = []
     for i, group in enumerate(inner.param_groups):
-        values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+        values = {
+            k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k not in _NOT_SAVED
+        }
         out.append(_json_checked(values, f"optimizer parameter group {i}"))
     return out
 

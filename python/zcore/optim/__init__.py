@@ -1,7 +1,11 @@
-"""Fused optimizer kernels: Adam/AdamW steps and the gradient check.
+"""Fused optimizer kernels: Adam/AdamW steps and the gradient check; and
+DeepSpeed's communication-compressing Adams.
 
 - :class:`CPUAdam` / :class:`CPUAdamW`: drop-in torch optimizers for CPU
   parameters.
+- :class:`OneBitAdam` / :class:`ZeroOneAdam`: 1-bit Adam and 0/1 Adam,
+  which average over the ranks themselves, in 1-bit messages, on the steps
+  where ``takes_averaged_gradients()`` is False (ZeRO stage 0).
 - :func:`adam_step` / :func:`adam_step_flat`: the flat-buffer step (fp32
   master and states, fp32/bf16/fp16 gradients, optional bf16/fp16 copy-out)
   on CPU or CUDA tensors, used by the offload path.
@@ -11,6 +15,7 @@
 """
 
 from zcore.optim.adam import CPUAdam, CPUAdamW
+from zcore.optim.compressed_adam import CompressedAdam
 from zcore.optim.functional import (
     AdamConfig,
     GradCheck,
@@ -21,12 +26,17 @@ from zcore.optim.functional import (
     supported_cpu_isas,
     unscale_and_check,
 )
+from zcore.optim.onebit_adam import OneBitAdam
+from zcore.optim.zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "AdamConfig",
     "CPUAdam",
     "CPUAdamW",
+    "CompressedAdam",
     "GradCheck",
+    "OneBitAdam",
+    "ZeroOneAdam",
     "adam_step",
     "adam_step_flat",
     "cpu_isa",
