@@ -33,26 +33,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from _ranks import run_local_ranks
 
 WORLD = 2
 MICRO_BATCH = 2
@@ -150,12 +148,8 @@ def between_barriers(fn: Callable[[], Any]) -> float:
 
 
 # The ranks.
-def _rank_env(rank: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
 def _torch_state(engine: Any) -> dict:
@@ -217,7 +211,7 @@ def _torch_round(engine: Any, root: Path, rank: int, opts: Options, fsync: bool)
     files = [root / f"rank-{r}.pt" for r in range(WORLD)]
     state = _torch_state(engine)
     settle(rank, [])
-    save = between_barriers(lambda: _torch_save(state, files[rank], fsync))
+    save = between_barriers(partial(_torch_save, state, files[rank], fsync))
     del state
     nbytes = sum(f.stat().st_size for f in files) if rank == 0 else 0
     settle(rank, files if opts.evict else [])
@@ -230,7 +224,8 @@ def _torch_round(engine: Any, root: Path, rank: int, opts: Options, fsync: bool)
     return {"save": save, "load": load, "bytes": nbytes, "restore": restore, "publish": publish}
 
 
-def _zcore_rank(rank: int, opts: Options) -> dict:
+def _zcore_rank(rank: int, world: int, opts: Options) -> tuple[dict[str, list[dict]], float]:
+    """zcore's and torch.save's rounds on this rank, and its peak RSS (GiB)."""
     import zcore
 
     model = build_model(opts.width, opts.layers)
@@ -250,10 +245,11 @@ def _zcore_rank(rank: int, opts: Options) -> dict:
         # The disk drifts: rotate which system goes first.
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             runs[name].append(rounds[name](rep))
-    return runs
+    return runs, _peak_rss_gib()
 
 
-def _deepspeed_rank(rank: int, opts: Options) -> dict:
+def _deepspeed_rank(rank: int, world: int, opts: Options) -> tuple[dict[str, list[dict]], float]:
+    """DeepSpeed's rounds on this rank, and its peak RSS (GiB)."""
     import deepspeed
 
     model = build_model(opts.width, opts.layers)
@@ -263,57 +259,16 @@ def _deepspeed_rank(rank: int, opts: Options) -> dict:
     root = opts.work / "deepspeed"
     reps = [_engine_round(engine, root, f"rep{rep}", rank, opts, keep=rep == opts.repeats - 1)
             for rep in range(opts.repeats)]
-    return {"DeepSpeed": reps}
+    return {"DeepSpeed": reps}, _peak_rss_gib()
 
 
-def _rank_main(target: Callable[[int, Options], dict], rank: int, port: int, opts: Options, out: Any) -> None:
-    try:
-        _rank_env(rank, port)
-        runs = target(rank, opts)
-        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
-        out.put(pickle.dumps((rank, runs, peak_gib, None)))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        out.put(pickle.dumps((rank, None, None, traceback.format_exc())))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(target: Callable[[int, Options], dict], opts: Options) -> tuple[dict[str, list[dict]], list[float]]:
+def run_ranks(target: Callable[..., tuple[dict, float]], opts: Options) -> tuple[dict[str, list[dict]], list[float]]:
     """Runs ``target`` on WORLD spawned ranks; returns its runs, each
-    measurement the slower rank's, and each rank's peak RSS (GiB)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(target, r, port, opts, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + opts.timeout
-    results: dict[int, tuple] = {}
-    try:
-        while len(results) < WORLD:
-            try:
-                rank, runs, peak, error = pickle.loads(out.get(timeout=5))
-            except queue.Empty:
-                dead = [f"rank {i} exited with {p.exitcode}" for i, p in enumerate(procs)
-                        if p.exitcode is not None and i not in results]
-                if dead:
-                    raise RuntimeError(f"{target.__name__}: {', '.join(dead)} before reporting") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{target.__name__} ran past --timeout {opts.timeout:.0f} s") from None
-                continue
-            if error is not None:
-                raise RuntimeError(f"{target.__name__} failed on rank {rank}:\n{error}")
-            results[rank] = (runs, peak)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    measurement the slower rank's, and each rank's peak RSS (GiB). A rank
+    that fails, dies or runs past --timeout ends the benchmark."""
+    results = run_local_ranks(target, WORLD, opts, timeout=opts.timeout)
+    if isinstance(results, dict):
+        raise RuntimeError(f"{target.__name__} failed: {results['error']}")
     merged = {}
     for row, reps in results[0][0].items():
         merged[row] = [

@@ -37,17 +37,15 @@ deepspeed-nvme.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import pickle
 import resource
 import shutil
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from _ranks import run_local_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ["zcore-ram", "zcore-nvme", "deepspeed-nvme", "zcore-nvme-all", "deepspeed-nvme-all"]
@@ -62,12 +60,6 @@ LAYERS, D_MODEL, HEADS = 12, 768, 12
 # twice from its trace ("param 132 already assigned swap buffer id 27").
 DEEPSPEED_ALL_PARAM = {"buffer_count": 64, "buffer_size": 4_000_000}
 DEEPSPEED_ALL_ZERO = {"stage3_prefetch_bucket_size": 0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(system: str, nvme_dir: Path, micro_batch: int, precision: str) -> dict:
@@ -95,20 +87,8 @@ def _swap_bytes(engine) -> int:
     return sum(s.bytes_swapped_in + s.bytes_swapped_out for s in stats if s is not None)
 
 
-def _rank_main(system, rank, world, port, args, nvme_dir, out):
-    try:
-        out.put(pickle.dumps((rank, _train(system, world, rank, port, args, nvme_dir))))
-    except Exception as exc:  # reported in the table; the other systems still run
-        out.put(pickle.dumps((rank, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})))
-        raise
-
-
-def _train(system, world, rank, port, args, nvme_dir) -> dict:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+def _train(rank: int, world: int, system: str, args, nvme_dir: Path) -> dict:
+    """One rank of one system: its timed steps, bytes swapped, loss and peak RSS."""
     from zcore.demo.gpt import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig(d_model=D_MODEL, n_layers=LAYERS, n_heads=HEADS)
@@ -149,27 +129,12 @@ def run_system(system: str, args) -> dict:
     nvme_dir = args.nvme_path / system
     shutil.rmtree(nvme_dir, ignore_errors=True)
     nvme_dir.mkdir(parents=True)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(system, r, 2, port, args, nvme_dir, out)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
     try:
-        for _ in procs:
-            rank, result = pickle.loads(out.get(timeout=3600))
-            if "error" in result:
-                return result
-            results[rank] = result
+        results = run_local_ranks(_train, 2, system, args, nvme_dir)
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(nvme_dir, ignore_errors=True)
+    if isinstance(results, dict):  # {"error": ...}: reported in the table; the other systems still run
+        return results
     return {
         "step_s": [max(a, b) for a, b in zip(results[0]["times"], results[1]["times"])],
         "in_step_s": [max(a, b) for a, b in zip(results[0]["step_times"], results[1]["step_times"])],

@@ -13,15 +13,13 @@ process (DeepSpeed patches torch when imported).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
 import statistics
 import time
 
 import torch
 from torch import nn
 
-from zero_stages import _free_port
+from _ranks import run_local_ranks
 
 # label -> (system, stage3_param_persistence_threshold)
 SYSTEMS = {
@@ -76,12 +74,8 @@ def _build(system: str, threshold, model: nn.Module):
     return engine, engine.backward, engine.step
 
 
-def _timed(system: str, threshold, layers: int, steps: int, port: int, out) -> None:
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+def _timed(rank: int, world: int, system: str, threshold, layers: int, steps: int) -> float:
+    """The median step time (s) of one system, after two untimed steps."""
     forward, backward, step = _build(system, threshold, _model(layers))
     x = torch.randn(MICRO_BATCH, 8)
     times = []
@@ -90,7 +84,7 @@ def _timed(system: str, threshold, layers: int, steps: int, port: int, out) -> N
         backward(forward(x).square().mean())
         step()
         times.append(time.perf_counter() - start)
-    out.put(statistics.median(times[2:]))
+    return statistics.median(times[2:])
 
 
 def main() -> None:
@@ -99,14 +93,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
-    ctx = mp.get_context("spawn")
-    rows = []
+    rows = []  # (label, median step s, or {"error": ...})
     for label, (system, threshold) in SYSTEMS.items():
-        out = ctx.Queue()
-        proc = ctx.Process(target=_timed, args=(system, threshold, args.layers, args.steps, _free_port(), out))
-        proc.start()
-        rows.append((label, out.get(timeout=600)))
-        proc.join(timeout=60)
+        result = run_local_ranks(_timed, 1, system, threshold, args.layers, args.steps, timeout=600)
+        rows.append((label, result if isinstance(result, dict) else result[0]))
 
     t_plain = rows[0][1]
     calls = 2 * args.layers  # each layer's hooks run in forward and in backward
@@ -114,8 +104,11 @@ def main() -> None:
           f"torch AdamW, median of {args.steps - 2} steps")
     print(f"{'':44}{'step ms':>10}{'overhead us per module call':>30}")
     for label, t in rows:
-        overhead = (t - t_plain) / calls * 1e6
-        print(f"{label:44}{t * 1e3:>10.2f}{overhead:>30.1f}")
+        if isinstance(t, dict):
+            print(f"{label:44}  failed: {t['error']}")
+            continue
+        overhead = "-" if isinstance(t_plain, dict) else f"{(t - t_plain) / calls * 1e6:.1f}"
+        print(f"{label:44}{t * 1e3:>10.2f}{overhead:>30}")
 
 
 if __name__ == "__main__":

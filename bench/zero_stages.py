@@ -7,7 +7,7 @@ tied LM head: 23.2M parameters) with micro-batch 4 in fp32, each rank on one
 thread, with torch.optim.AdamW as the optimizer (so the systems differ only
 in how they shard, reduce and gather). Each system runs in a fresh pair of
 processes; the table shows the median step time over the timed steps and
-each rank's peak RSS.
+each rank's peak RSS. A system that fails is shown with its error.
 
     python bench/zero_stages.py [--steps 8] [--warmup 2] [--repeats 1]
 """
@@ -15,15 +15,13 @@ each rank's peak RSS.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import pickle
 import resource
-import socket
 import statistics
 import time
 
 import torch
+
+from _ranks import run_local_ranks
 
 SYSTEMS = [
     "ddp", "fsdp2",
@@ -31,12 +29,6 @@ SYSTEMS = [
     "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3",
 ]
 MICRO_BATCH = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches(rank: int, steps: int, cfg):
@@ -95,12 +87,8 @@ def _build(system: str, model, world: int):
     return engine, engine.backward, engine.step
 
 
-def _rank_main(system, rank, world, port, steps, warmup, out):
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+def _train(rank: int, world: int, system: str, steps: int, warmup: int) -> tuple[list[float], float, float]:
+    """One rank of one system: (timed step times, peak RSS MiB, last loss)."""
     from zcore.demo.gpt import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig()
@@ -115,26 +103,14 @@ def _rank_main(system, rank, world, port, steps, warmup, out):
         step()
         times.append(time.perf_counter() - start)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put(pickle.dumps((rank, times[warmup:], peak_mib, float(loss.detach()))))
+    return times[warmup:], peak_mib, float(loss.detach())
 
 
 def run_system(system: str, steps: int, warmup: int) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(system, r, 2, port, steps, warmup, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, times, peak, loss = pickle.loads(out.get(timeout=1800))
-            results[rank] = (times, peak, loss)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    """One system on 2 fresh ranks: its step times and peak RSS, or {"error": ...}."""
+    results = run_local_ranks(_train, 2, system, steps, warmup, timeout=1800)
+    if isinstance(results, dict):
+        return results
     # A step ends when the slower rank ends it.
     step_times = [max(a, b) for a, b in zip(results[0][0], results[1][0])]
     return {
@@ -155,11 +131,20 @@ def main() -> None:
     args = parser.parse_args()
 
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    failed: dict[str, str] = {}
     for _ in range(args.repeats):
         for system in args.systems:
-            runs[system].append(run_system(system, args.steps, args.warmup))
-            print(f"  {system}: {runs[system][-1]['median_ms']:.0f} ms", flush=True)
+            if system in failed:
+                continue
+            r = run_system(system, args.steps, args.warmup)
+            if "error" in r:
+                failed[system] = r["error"]
+                print(f"  {system}: {r['error']}", flush=True)
+                continue
+            runs[system].append(r)
+            print(f"  {system}: {r['median_ms']:.0f} ms", flush=True)
 
+    runs = {s: rs for s, rs in runs.items() if rs}
     ddp = statistics.median(r["median_ms"] for r in runs["ddp"]) if "ddp" in runs else None
     print(f"\nGPT 23.2M params, fp32, 2 gloo ranks x 1 thread, micro-batch {MICRO_BATCH}, "
           f"{args.steps} timed steps x {args.repeats} round(s)")
@@ -171,6 +156,8 @@ def main() -> None:
         rel = f"{med / ddp:.2f}x" if ddp else "-"
         rss = "/".join(f"{max(r['peak_rss_mib'][i] for r in rs):.0f}" for i in (0, 1))
         print(f"{system:14}{med:>18.0f}{f'{lo:.0f}-{hi:.0f}':>16}{rel:>8}{rss:>22}")
+    for system, error in failed.items():
+        print(f"{system:14}  failed: {error}")
 
 
 if __name__ == "__main__":

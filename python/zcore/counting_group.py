@@ -28,12 +28,18 @@ of this rank's tensor(s):
 - ``gather``: B on every rank but the destination, 0 there;
 - ``barrier``: 0.
 
-Every kind also counts its calls. Operations not listed have no backend on
-this group and fail when called, rather than go uncounted.
+Every kind also counts its calls, and every byte counts toward the peer
+it is for (by global rank), so that traffic between nodes can be told from
+traffic within one (``peer_bytes``): ``send`` to its destination, an
+all-gather's or broadcast's B to every other rank, an all-to-all's slices
+to their ranks, a reduce-scatter's B/n and an all-reduce's 2B/n to every
+other rank, a gather's B to the destination. Operations not listed have no
+backend on this group and fail when called, rather than go uncounted.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from datetime import timedelta
 from fractions import Fraction
@@ -43,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "zcore_counting"
+_GROUPS: weakref.WeakSet = weakref.WeakSet()  # every counting group of this process
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -57,14 +64,26 @@ class CountingProcessGroup(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.sent: Counter = Counter()  # kind -> bytes (Fraction)
         self.calls: Counter = Counter()  # kind -> operations
+        self.to_peer: Counter = Counter()  # global rank -> bytes (Fraction)
+        self._global_ranks: Optional[list[int]] = None
+        _GROUPS.add(self)
 
-    def _count(self, kind: str, sent: Fraction | int) -> None:
-        self.sent[kind] += Fraction(sent)
+    def _count(self, kind: str, per_peer: dict[int, Fraction | int]) -> None:
+        """``per_peer``: bytes for each other rank of the group, by group rank."""
+        self.sent[kind] += sum((Fraction(b) for b in per_peer.values()), Fraction(0))
         self.calls[kind] += 1
+        if self._global_ranks is None:  # known once torch has registered the group
+            self._global_ranks = [dist.get_global_rank(self, r) for r in range(self.size())]
+        for peer, b in per_peer.items():
+            self.to_peer[self._global_ranks[peer]] += Fraction(b)
+
+    def _to_others(self, nbytes: Fraction | int) -> dict[int, Fraction | int]:
+        return {r: nbytes for r in range(self.size()) if r != self.rank()}
 
     def reset(self) -> None:
         self.sent.clear()
         self.calls.clear()
+        self.to_peer.clear()
 
     def getBackendName(self) -> str:  # the name torch's logs and errors give the backend
         return BACKEND
@@ -79,53 +98,54 @@ class CountingProcessGroup(dist.ProcessGroup):
         return self._group_name
 
     def send(self, tensors, dst, tag):
-        self._count("send", _nbytes(tensors))
+        self._count("send", {dst: _nbytes(tensors)})
         return self._gloo.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
-        self._count("recv", 0)
+        self._count("recv", {})
         return self._gloo.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors, tag):
-        self._count("recv", 0)
+        self._count("recv", {})
         return self._gloo.recv_anysource(tensors, tag)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        n = self.size()
         if input_split_sizes:
-            own = input_split_sizes[self.rank()] * (input[0].numel() * input.element_size())
+            row = input[0].numel() * input.element_size()
+            slices = [split * row for split in input_split_sizes]
         else:
-            own = _nbytes([input]) // self.size()
-        self._count("all_to_all", _nbytes([input]) - own)
+            slices = [_nbytes([input]) // n] * n
+        self._count("all_to_all", {r: slices[r] for r in range(n) if r != self.rank()})
         return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def allgather(self, output_tensors, input_tensors, opts):
-        self._count("all_gather", _nbytes(input_tensors) * (self.size() - 1))
+        self._count("all_gather", self._to_others(_nbytes(input_tensors)))
         return self._gloo.allgather(output_tensors, input_tensors, opts)
 
     def all_gather_single(self, output, input, opts):
-        self._count("all_gather", _nbytes([input]) * (self.size() - 1))
+        self._count("all_gather", self._to_others(_nbytes([input])))
         return self._gloo._allgather_base(output, input, opts)
 
     def reduce_scatter_single(self, output, input, opts):
-        self._count("reduce_scatter", Fraction(_nbytes([input]) * (self.size() - 1), self.size()))
+        self._count("reduce_scatter", self._to_others(Fraction(_nbytes([input]), self.size())))
         return self._gloo._reduce_scatter_base(output, input, opts)
 
     def allreduce(self, tensors, opts):
-        n = self.size()
-        self._count("all_reduce", Fraction(2 * (n - 1) * _nbytes(tensors), n))
+        self._count("all_reduce", self._to_others(Fraction(2 * _nbytes(tensors), self.size())))
         return self._gloo.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
         root = self.rank() == opts.rootRank
-        self._count("broadcast", _nbytes(tensors) * (self.size() - 1) if root else 0)
+        self._count("broadcast", self._to_others(_nbytes(tensors)) if root else {})
         return self._gloo.broadcast(tensors, opts)
 
     def gather(self, output_tensors, input_tensors, opts):
-        self._count("gather", 0 if self.rank() == opts.rootRank else _nbytes(input_tensors))
+        self._count("gather", {} if self.rank() == opts.rootRank else {opts.rootRank: _nbytes(input_tensors)})
         return self._gloo.gather(output_tensors, input_tensors, opts)
 
     def barrier(self, opts):
-        self._count("barrier", 0)
+        self._count("barrier", {})
         return self._gloo.barrier(opts)
 
     def shutdown(self) -> None:
@@ -168,3 +188,23 @@ def calls(group: Optional[dist.ProcessGroup] = None) -> dict[str, int]:
 
 def reset(group: Optional[dist.ProcessGroup] = None) -> None:
     _counting(group).reset()
+
+
+def peer_bytes(group: Optional[dist.ProcessGroup] = None) -> dict[int, Fraction]:
+    """Bytes this rank sent on ``group`` to each other rank (by global
+    rank) since it was made or last reset."""
+    return dict(_counting(group).to_peer)
+
+
+def peer_bytes_on_every_group() -> dict[int, Fraction]:
+    """``peer_bytes`` summed over every counting group of this process."""
+    total: Counter = Counter()
+    for pg in list(_GROUPS):
+        total.update(pg.to_peer)
+    return dict(total)
+
+
+def reset_all() -> None:
+    """Resets every counting group of this process."""
+    for pg in list(_GROUPS):
+        pg.reset()

@@ -105,7 +105,8 @@ def primitives(rank: int, n: int) -> tuple:
     counting_group.init_process_group()
     plain = dist.new_group(list(range(n)), backend="gloo")
     counted = _run_primitives(rank, n, None)
-    return counted, _run_primitives(rank, n, plain), counting_group.counters(), counting_group.calls()
+    return (counted, _run_primitives(rank, n, plain), counting_group.counters(), counting_group.calls(),
+            counting_group.peer_bytes())
 
 
 def expected_primitives(rank: int, n: int) -> tuple[dict, dict]:
@@ -129,9 +130,18 @@ def expected_primitives(rank: int, n: int) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_primitives_count_what_they_send(n):
-    for rank, (counted, plain, sent, calls) in enumerate(run_ranks(primitives, n, timeout=60)):
+    for rank, (counted, plain, sent, calls, to_peer) in enumerate(run_ranks(primitives, n, timeout=60)):
         assert counted == plain, f"rank {rank}: results differ from plain gloo"
         assert (sent, calls) == expected_primitives(rank, n), f"rank {rank}"
+        assert sum(to_peer.values()) == sum(sent.values()) and rank not in to_peer, f"rank {rank}"
+        # Each peer gets the same share of most operations: p2p 20, all-to-all
+        # 8, the gathers 24 + 8 + (8 + the pickle), reduce-scatter 8,
+        # all-reduces 2 x 36 / n; the uneven all-to-all j + 1 rows of 3
+        # float32 to rank j; the broadcast from rank 1, the gather to rank 0.
+        even = 20 + 8 + 24 + 8 + 8 + len(pickle.dumps(f"rank{rank}")) + 8 + Fraction(72, n)
+        for peer, got in to_peer.items():
+            want = even + 12 * (peer + 1) + (28 if rank == 1 else 0) + (8 if peer == 0 else 0)
+            assert got == want, f"rank {rank} to {peer}"
 
 
 def subgroups(rank: int, n: int) -> dict:

@@ -16,7 +16,8 @@ across replicas, once per step (at the accumulation boundary, not every
 micro-step) an all-reduce of each rank's fp32 gradient shard:
   2 x (r-1)/r x 4 x P / s;
 on the world, only the used-parameter flags (an all-reduce, as plain
-stage 3). The gradient norm is summed within the shard group.
+stage 3). The gradient norm is summed within the shard group. So across
+nodes go only the replica all-reduce and the flags.
 """
 
 from __future__ import annotations
@@ -63,20 +64,21 @@ def shard_numels(engine) -> dict[int, int]:
 
 def counted_steps(rank: int) -> list:
     """Per step after the first: what this rank sent on the world, its shard
-    group and its replica group."""
+    group and its replica group, and to ranks on the other node."""
     config = zcore_config(3, 2, 0.0, zero={**EACH_USE, "mics_shard_size": 2}, train_batch_size=BATCH)
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
     shard, replicas = engine.ranks.shard.group, engine.ranks.replicas.group
     sent = []
     for step in range(3):
-        for group in (None, shard, replicas):
-            counting_group.reset(group)
+        counting_group.reset_all()
         x, y = global_batch("gpt", step, BATCH)
         for m in range(2):
             part = rows(m * WORLD + rank, WORLD * 2, BATCH)
             engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, rank), y[part]))
             engine.step()
-        sent.append(tuple(counting_group.counters(group) for group in (None, shard, replicas)))
+        to_peer = counting_group.peer_bytes_on_every_group()
+        across = sum(b for peer, b in to_peer.items() if peer // LOCAL != rank // LOCAL)
+        sent.append((*(counting_group.counters(group) for group in (None, shard, replicas)), across))
     engine.destroy()
     return sent[1:]
 
@@ -186,11 +188,14 @@ def test_bytes_per_step_on_each_group(results):
                   "all_to_all": Fraction(s - 1, s) * 4 * A * P}
     want_replicas = {"all_reduce": 2 * Fraction(r - 1, r) * 4 * P // s}
     for rank, out in enumerate(results):
-        for step, (on_world, on_shard, on_replicas) in enumerate(out["counted"], start=1):
+        for step, (on_world, on_shard, on_replicas, across) in enumerate(out["counted"], start=1):
             where = f"rank {rank}, step {step}"
             assert on_world == want_world, where
             assert on_shard == want_shard, where
             assert on_replicas == want_replicas, where
+            # Nothing but the replica all-reduce and the flags' share for the
+            # two ranks of the other node crosses nodes.
+            assert across == want_replicas["all_reduce"] + 2 * Fraction(2 * 4 * n_params, WORLD), where
 
 
 def test_a_mics_checkpoint_resumes_and_reloads_at_other_layouts(results, checkpoint_dir):

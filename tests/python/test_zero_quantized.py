@@ -29,6 +29,9 @@ from distributed import run_ranks
 from models import TinyGPT
 
 STEPS, MICRO, SEQ, VOCAB = 100, 4, 16, 64
+# Held-out sequences for the evaluation loss: many, so that it measures
+# the model rather than one small batch.
+EVAL_ROWS = 512
 
 
 def sequences(step: int, rank: int, rows: int = MICRO) -> torch.Tensor:
@@ -73,7 +76,7 @@ def train(rank: int, stage: int, weights: bool, gradients: bool, precision: str,
         losses.append(loss.item())
     engine.eval()
     with torch.no_grad():
-        held_out = sequences(10_000, 0, rows=16)
+        held_out = sequences(10_000, 0, rows=EVAL_ROWS)
         eval_loss = lm_loss(engine(held_out[:, :-1]), held_out).item()
     engine.destroy()
     return {"losses": losses, "eval": eval_loss}
