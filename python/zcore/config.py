@@ -14,260 +14,27 @@ import os
 import stat
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from zcore.config_keys import UNSUPPORTED_KEYS, show_value, split_unsupported
+from zcore.config_section import Section
 from zcore.errors import ConfigError
+from zcore.optimizer_config import OptimizerConfig
 
 Auto = Literal["auto"]
 
 
-# Largest integer any key takes: sizes and counts end up in int64 fields of
-# the native core and in products of them, so 2**62 leaves room.
-MAX_CONFIG_INT = 2**62
-
-
-class _Section(BaseModel):
-    # strict: no coercion (true is not 1, "4" is not 4, 2.0 is not 2);
-    # allow_inf_nan: Infinity and NaN (which Python's json accepts) are refused.
-    model_config = ConfigDict(
-        extra="forbid", populate_by_name=True, frozen=True, strict=True, allow_inf_nan=False
-    )
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _json_number(cls, v: Any, info: ValidationInfo) -> Any:
-        # Every JSON number or boolean passes here, per key, so errors name the
-        # key. Strict mode alone is not enough: a bool is an int to Python
-        # (and 0 == False matches Literal[False]), and a float key turns 2**70
-        # into 1.2e21 before any bound on ints could see it.
-        if not isinstance(v, (bool, int, float)):
-            return v
-        kinds = _plain_types(cls.model_fields[info.field_name].annotation)
-        if not kinds & {bool, int, float, str}:
-            return v  # a section: pydantic's message says a JSON object is expected
-        if isinstance(v, bool):
-            if bool not in kinds:
-                raise ValueError("a boolean is not allowed here")
-            return v
-        if bool in kinds and not kinds & {int, float}:
-            raise ValueError("a number is not a boolean here; use true or false")
-        # DeepSpeed configs write sizes as 5e8, which JSON reads as a float:
-        # an exact integer is the same value; 2.5 or Infinity stays an error.
-        if isinstance(v, float) and v.is_integer() and int in kinds and float not in kinds:
-            v = int(v)
-        if isinstance(v, int):
-            if abs(v) > MAX_CONFIG_INT:
-                raise ValueError("must be at most 2**62 in magnitude")
-            if float in kinds and int not in kinds and float(v) != v:
-                raise ValueError("an integer this large has no exact float value")
-        return v
-
-
-def _plain_types(annotation: Any) -> set[Any]:
-    if isinstance(annotation, type):
-        return {annotation}
-    if get_origin(annotation) is Literal:
-        return {type(value) for value in get_args(annotation)}
-    return {t for arg in get_args(annotation) for t in _plain_types(arg)}
-
-
-class _AdamHyperParams(_Section):
-    """The hyper-parameters every optimizer type takes."""
-
-    lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-
-    @field_validator("betas", mode="before")
-    @classmethod
-    def _betas_from_json(cls, v: Any) -> Any:
-        # JSON has no tuples: a list of two is the same value.
-        return tuple(v) if isinstance(v, list) else v
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"betas must both lie in [0, 1), got {v}")
-        return v
-
-
-class AdamParams(_AdamHyperParams):
-    # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
-    # torch.optim.Adam's L2 penalty.
-    adam_w_mode: bool = True
-    torch_adam: bool = False
-    amsgrad: Literal[False] = False
-
-
-class _CompressedAdamParams(_AdamHyperParams):
-    """What DeepSpeed's 1-bit Adam and 0/1 Adam both take (zcore.optim.compressed_adam)."""
-
-    # DeepSpeed takes these three and never applies them: no bias correction
-    # whatever bias_correction says, eps outside the square root, no clipping
-    # by max_grad_norm. zcore does the same, and refuses a value that asks
-    # for what neither does.
-    bias_correction: bool = True
-    eps_inside_sqrt: bool = False
-    max_grad_norm: float = 0.0
-    amsgrad: Literal[False] = False
-    # Whether DeepSpeed's MPI implementation may hand MPI GPU memory.
-    cuda_aware: bool = False
-    # DeepSpeed's implementation of the compressed all-reduce. zcore's sends
-    # the same messages through torch.distributed whatever the process
-    # group's backend: "nccl" (the default), "gloo" and "compressed" (DeepSpeed's
-    # backend-agnostic one) all choose it.
-    comm_backend_name: str = "nccl"
-
-    @field_validator("eps_inside_sqrt")
-    @classmethod
-    def _eps_outside(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "DeepSpeed's 1-bit Adam and 0/1 Adam take eps_inside_sqrt but always add eps outside the "
-                "square root, as zcore does; remove the key or set it to false"
-            )
-        return v
-
-    @field_validator("max_grad_norm")
-    @classmethod
-    def _no_clipping_here(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError(
-                "DeepSpeed's 1-bit Adam and 0/1 Adam keep max_grad_norm but never clip with it; clip with "
-                "the top-level key gradient_clipping, and remove this one (or set it to 0)"
-            )
-        return v
-
-    @field_validator("cuda_aware")
-    @classmethod
-    def _no_mpi(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "cuda_aware tells DeepSpeed's MPI implementation that MPI reads GPU memory; zcore has no MPI "
-                "implementation (comm_backend_name 'nccl' or 'gloo' go through torch.distributed): remove "
-                "the key or set it to false"
-            )
-        return v
-
-    @field_validator("comm_backend_name")
-    @classmethod
-    def _torch_distributed(cls, v: str) -> str:
-        refused = {
-            "mpi": "DeepSpeed's MPI implementation (mpi4py), which zcore does not have",
-            "hccl": "DeepSpeed's implementation for Huawei Ascend devices, which zcore does not run on",
-        }
-        if v in refused:
-            raise ValueError(
-                f"comm_backend_name {show_value(v)} selects {refused[v]}; zcore sends the same 1-bit messages "
-                "through torch.distributed: use 'nccl' (or 'gloo' on CPU)"
-            )
-        if v not in ("nccl", "gloo", "compressed"):
-            raise ValueError(f"comm_backend_name must be 'nccl', 'gloo' or 'compressed', got {show_value(v)}")
-        return v
-
-
-class OneBitAdamParams(_CompressedAdamParams):
-    # Exact Adam steps before compression (warm-up). DeepSpeed's first step
-    # only sets up buffers, so it always takes at least one exact step: zcore
-    # asks for one.
-    freeze_step: int = Field(100_000, ge=1)
-
-
-class ZeroOneAdamParams(_CompressedAdamParams):
-    # The last variance update comes at step var_freeze_step + 1 at the latest.
-    var_freeze_step: int = Field(100_000, ge=0)
-    # Variance updates per interval before the interval doubles (the paper's kappa).
-    var_update_scaler: int = Field(16, ge=1)
-    # Local steps per synchronisation interval before the interval doubles.
-    local_step_scaler: int = Field(32678, ge=1)
-    # The longest synchronisation interval, in steps (the paper's H).
-    local_step_clipper: int = Field(16, ge=1)
-
-
-# DeepSpeed reads optimizer types in any case.
-_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
-
-
-def _canonical_type(v: Any) -> Any:
-    return _OPTIMIZER_TYPES.get(v.lower(), v) if isinstance(v, str) else v
-
-
-class AdamOptimizerConfig(_Section):
-    type: str
-    params: AdamParams = AdamParams()
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, v: str) -> str:
-        canonical = _canonical_type(v)
-        if canonical not in ("Adam", "AdamW"):
-            raise ValueError(
-                f"optimizer type {show_value(v)} is not supported; use 'Adam', 'AdamW', 'OneBitAdam' or "
-                "'ZeroOneAdam', or pass a torch optimizer (or a callable building one) to "
-                "zcore.initialize(optimizer=...)"
-            )
-        return canonical
-
-    @property
-    def decoupled_weight_decay(self) -> bool:
-        return self.type == "AdamW" or self.params.adam_w_mode
-
-
-class OneBitAdamConfig(_Section):
-    type: Literal["OneBitAdam"]
-    params: OneBitAdamParams = OneBitAdamParams()
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _canonical(cls, v: Any) -> Any:
-        return _canonical_type(v)
-
-
-class ZeroOneAdamConfig(_Section):
-    type: Literal["ZeroOneAdam"]
-    params: ZeroOneAdamParams = ZeroOneAdamParams()
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _canonical(cls, v: Any) -> Any:
-        return _canonical_type(v)
-
-
-def _optimizer_branch(raw: Any) -> str:
-    tag = _canonical_type(raw.get("type") if isinstance(raw, dict) else getattr(raw, "type", None))
-    # Adam, AdamW and whatever zcore lacks go to the Adam section, whose
-    # check names the types there are. Its tag is its class name, which is
-    # what _describe takes a type-less branch's name in an error to be.
-    return tag if tag in ("OneBitAdam", "ZeroOneAdam") else AdamOptimizerConfig.__name__
-
-
-# The params' keys depend on the type.
-OptimizerConfig = Annotated[
-    Union[
-        Annotated[AdamOptimizerConfig, Tag(AdamOptimizerConfig.__name__)],
-        Annotated[OneBitAdamConfig, Tag("OneBitAdam")],
-        Annotated[ZeroOneAdamConfig, Tag("ZeroOneAdam")],
-    ],
-    Discriminator(_optimizer_branch),
-]
-
-
-class WarmupLRParams(_Section):
+class WarmupLRParams(Section):
     warmup_min_lr: float = 0.0
     # None: the optimizer's lr (DeepSpeed's WarmupLR default).
     warmup_max_lr: Optional[float] = None
@@ -281,7 +48,7 @@ class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: int = Field(gt=0)
 
 
-class WarmupCosineLRParams(_Section):
+class WarmupCosineLRParams(Section):
     total_num_steps: int = Field(gt=0)
     warmup_min_ratio: float = 0.0
     warmup_num_steps: int = Field(1000, gt=0)
@@ -290,17 +57,17 @@ class WarmupCosineLRParams(_Section):
     last_batch_iteration: int = -1
 
 
-class WarmupLRScheduler(_Section):
+class WarmupLRScheduler(Section):
     type: Literal["WarmupLR"]
     params: WarmupLRParams = WarmupLRParams()
 
 
-class WarmupDecayLRScheduler(_Section):
+class WarmupDecayLRScheduler(Section):
     type: Literal["WarmupDecayLR"]
     params: WarmupDecayLRParams
 
 
-class WarmupCosineLRScheduler(_Section):
+class WarmupCosineLRScheduler(Section):
     type: Literal["WarmupCosineLR"]
     params: WarmupCosineLRParams
 
@@ -327,7 +94,7 @@ SchedulerConfig = Annotated[
 ]
 
 
-class BF16Config(_Section):
+class BF16Config(Section):
     enabled: bool = False
     # zcore's own key: floating-point buffers keep their dtype (a rotary
     # embedding's inv_freq in bf16 is off by radians at long positions)
@@ -335,7 +102,7 @@ class BF16Config(_Section):
     cast_buffers: bool = False
 
 
-class FP16Config(_Section):
+class FP16Config(Section):
     enabled: bool = False
     cast_buffers: bool = False  # as in bf16
     # 0 selects dynamic loss scaling; a positive value is a static scale.
@@ -347,7 +114,7 @@ class FP16Config(_Section):
     min_loss_scale: float = Field(1.0, gt=0)
 
 
-class _OffloadSection(_Section):
+class _OffloadSection(Section):
     key: ClassVar[str]  # the section's key under zero_optimization, for messages
     # "nvme": what is offloaded lives in files under nvme_path, read through
     # host memory ahead of its use and written back after.
@@ -401,7 +168,7 @@ class OffloadParamConfig(_OffloadSection):
     max_in_cpu: int = Field(1_000_000_000, ge=0)
 
 
-class AioConfig(_Section):
+class AioConfig(Section):
     """The asynchronous I/O engine behind NVMe offload (DeepSpeed's "aio")."""
 
     # Bytes per I/O request: a multiple of 4096, which O_DIRECT needs.
@@ -419,7 +186,7 @@ class AioConfig(_Section):
         return v
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """DeepSpeed's "checkpoint" section. zcore always checks that every rank
     saves or loads the same tag (they write one directory together, so
     differing tags cannot work): "Warn" and "Ignore" are accepted for
@@ -435,7 +202,7 @@ class CheckpointConfig(_Section):
         return v
 
 
-class TensorBoardConfig(_Section):
+class TensorBoardConfig(Section):
     """DeepSpeed's "tensorboard" section: per-step metrics as TensorBoard
     events in ``output_path/job_name`` (rank 0; ``tensorboard`` installed)."""
 
@@ -449,7 +216,7 @@ class CSVMonitorConfig(TensorBoardConfig):
     ``output_path/job_name`` (rank 0), the files ``zcore plot`` reads."""
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     """DeepSpeed's "wandb" section (rank 0; ``wandb`` installed). Offline
     runs follow wandb's own ``WANDB_MODE=offline``."""
 
@@ -459,7 +226,7 @@ class WandbConfig(_Section):
     project: str = "deepspeed"
 
 
-class FlopsProfilerConfig(_Section):
+class FlopsProfilerConfig(Section):
     """DeepSpeed's "flops_profiler" section: at step ``profile_step``, each
     module's parameters, FLOPs and latency (zcore.flops_profiler)."""
 
@@ -472,7 +239,7 @@ class FlopsProfilerConfig(_Section):
     output_file: Optional[str] = None
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
@@ -567,7 +334,7 @@ class ZeroConfig(_Section):
         return self
 
 
-class Config(_Section):
+class Config(Section):
     train_batch_size: Union[int, Auto, None] = None
     train_micro_batch_size_per_gpu: Union[int, Auto, None] = None
     gradient_accumulation_steps: Union[int, Auto, None] = None

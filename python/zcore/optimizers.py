@@ -12,9 +12,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from zcore.config import Config, OneBitAdamConfig, ZeroOneAdamConfig
+from zcore.config import Config
 from zcore.errors import ConfigError
 from zcore.optim import CompressedAdam, CPUAdam, OneBitAdam, ZeroOneAdam
+from zcore.optimizer_config import OneBitAdamConfig, ZeroOneAdamConfig
 from zcore.policies import OffloadPolicy, Tier
 
 # Optimizers whose update is element-wise, so that running them on any slice

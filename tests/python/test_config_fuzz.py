@@ -2,7 +2,9 @@
 the whole config or at any key of a full DeepSpeed config, arbitrary bytes as
 the config file, arbitrary text as its path, and wrong arguments to
 zcore.initialize. Each either loads or raises zcore's error naming the key,
-file or argument; nothing else escapes.
+file or argument; nothing else escapes. The optimizer section is fuzzed with
+each type: DeepSpeed's Adam and AdamW, and its 1-bit Adam and 0/1 Adam, which
+zcore.initialize runs at ZeRO stage 0 only.
 
 What is accepted, and as what, is stated here on its own (SCHEMA, with the
 coercions listed above it), not read from zcore, so a value the config takes
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 
 import zcore
 from zcore.config import load_config
+from zcore.optim import OneBitAdam, ZeroOneAdam
 
 # Deterministic (CI runs the same examples every time) and short.
 FUZZ = settings(
@@ -95,13 +98,30 @@ BASE = {
     "wall_clock_breakdown": False, "dump_state": False, "memory_breakdown": False,
 }
 
+# The base config with DeepSpeed's 1-bit Adam or 0/1 Adam (its tutorials'
+# values, every params key set). The config takes them at any stage;
+# zcore.initialize refuses stages 1-3 (tested at the end).
+COMPRESSED_PARAMS = {
+    "lr": 4e-4, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.01, "bias_correction": False,
+    "eps_inside_sqrt": False, "max_grad_norm": 0.0, "amsgrad": False, "cuda_aware": False, "comm_backend_name": "nccl",
+}
+COMPRESSED = ("OneBitAdam", "ZeroOneAdam")
+BASES = {
+    "AdamW": BASE,
+    "OneBitAdam": {**BASE, "optimizer": {"type": "OneBitAdam", "params": {**COMPRESSED_PARAMS, "freeze_step": 23000}}},
+    "ZeroOneAdam": {**BASE, "optimizer": {"type": "ZeroOneAdam", "params": {
+        **COMPRESSED_PARAMS, "var_freeze_step": 1000, "var_update_scaler": 16, "local_step_scaler": 1000,
+        "local_step_clipper": 16,
+    }}},
+}
+
 
 # What each key takes. A kind maps a JSON value to the value the parsed
 # config must hold, or REFUSED. The only coercions allowed (documented):
 #   1. an integral float (5e8) for an integer key: the int;
 #   2. an int for a float key: the float of the same value (exactly);
 #   3. betas: a JSON list of two numbers, a tuple of floats;
-#   4. optimizer.type: "adam"/"adamw" in any case, the canonical name;
+#   4. optimizer.type: "adam"/"adamw"/"onebitadam"/"zerooneadam" in any case, the canonical name;
 #   5. zero_optimization.offload_optimizer or offload_param, or aio: null, all defaults;
 #   6. a DeepSpeed key at DeepSpeed's default: accepted and dropped (GONE).
 # "auto" is accepted as itself where the key allows it.
@@ -167,8 +187,14 @@ def betas(v: Any) -> Any:
 
 
 def optimizer_type(v: Any) -> Any:
-    canonical = {"adam": "Adam", "adamw": "AdamW"}
+    canonical = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
     return canonical.get(v.lower(), REFUSED) if type(v) is str else REFUSED  # coercion 4
+
+
+def zero(v: Any) -> Any:
+    """A float key that takes only 0: any other value asks for what neither DeepSpeed nor zcore does."""
+    e = real()(v)
+    return e if e is not REFUSED and e == 0.0 else REFUSED
 
 
 def deepspeed_default(default: Any) -> Kind:
@@ -186,6 +212,37 @@ class Section:
             return REFUSED
         expected = {k: self.keys[k](x) if k in self.keys else REFUSED for k, x in v.items()}
         return REFUSED if REFUSED in expected.values() else expected
+
+
+class Optimizer:
+    """The optimizer's type picks its params' keys."""
+
+    adam = {"lr": real(0.0, strict=True), "betas": betas, "eps": real(0.0, strict=True), "weight_decay": real(0.0)}
+    # 1-bit Adam and 0/1 Adam: DeepSpeed's keys that it takes and never
+    # applies, accepted only at what both do anyway; comm_backend_name only
+    # where it selects torch.distributed.
+    compressed = {
+        **adam, "bias_correction": boolean, "eps_inside_sqrt": one_of(False), "max_grad_norm": zero,
+        "amsgrad": one_of(False), "cuda_aware": one_of(False), "comm_backend_name": one_of("nccl", "gloo", "compressed"),
+    }
+    adam_params = Section({**adam, "adam_w_mode": boolean, "torch_adam": boolean, "amsgrad": one_of(False)})
+    params = {
+        "Adam": adam_params,
+        "AdamW": adam_params,
+        "OneBitAdam": Section({**compressed, "freeze_step": integer(1)}),
+        "ZeroOneAdam": Section({
+            **compressed, "var_freeze_step": integer(0), "var_update_scaler": integer(1),
+            "local_step_scaler": integer(1), "local_step_clipper": integer(1),
+        }),
+    }
+
+    def __call__(self, v: Any) -> Any:
+        if v is None:
+            return None
+        kind = optimizer_type(v.get("type")) if type(v) is dict else REFUSED
+        if kind is REFUSED:
+            return REFUSED
+        return Section({"type": optimizer_type, "params": self.params[kind]}, ("type",))(v)
 
 
 class Scheduler:
@@ -221,14 +278,7 @@ SCHEMA = Section({
     "train_micro_batch_size_per_gpu": int_auto_or_null,
     "gradient_accumulation_steps": int_auto_or_null,
     "gradient_clipping": real(0.0),
-    "optimizer": Section({
-        "type": optimizer_type,
-        "params": Section({
-            "lr": real(0.0, strict=True), "betas": betas, "eps": real(0.0, strict=True),
-            "weight_decay": real(0.0), "adam_w_mode": boolean, "torch_adam": boolean,
-            "amsgrad": one_of(False),
-        }),
-    }, required=("type",), null="none"),
+    "optimizer": Optimizer(),
     "scheduler": Scheduler(),
     "bf16": Section({"enabled": boolean}),
     "fp16": Section({
@@ -375,12 +425,13 @@ PLAUSIBLE = st.one_of(
     st.integers(-3, 70).map(float),
     st.floats(0, 1),
     st.lists(st.floats(0, 1) | st.integers(0, 1), min_size=2, max_size=2),
-    st.sampled_from(
-        ["auto", "adam", "AdamW", "ADAM", "cpu", "none", "nvme", "log", "linear", "bf16", "every_module"]
-    ),
+    st.sampled_from([
+        "auto", "adam", "AdamW", "ADAM", "OneBitAdam", "zerooneadam", "gloo", "mpi", "cpu", "none", "nvme",
+        "log", "linear", "bf16", "every_module",
+    ]),
     st.sampled_from([4096, 6144, 1 << 20, 1.5 * (1 << 20)]),  # aio.block_size: multiples of 4096 or not
     st.sampled_from([
-        None, True, False, {}, {"enabled": True}, {"device": "cpu"}, {"type": "Adam"},
+        None, True, False, {}, {"enabled": True}, {"device": "cpu"}, {"type": "Adam"}, {"type": "ZeroOneAdam"},
         {"device": "nvme"}, {"device": "nvme", "nvme_path": ""}, {"device": "nvme", "nvme_path": "/nvme"},
     ]),
 )
@@ -402,12 +453,22 @@ def value_at(config: dict, path: str) -> Any:
     return config
 
 
-PATHS = key_paths(BASE)
-LEAVES = [p for p in PATHS if not isinstance(value_at(BASE, p), dict)]
+# (base, key path): every key of the base config, and the optimizer
+# section's keys in the others (which differ from it only there).
+KEYS = [("AdamW", p) for p in key_paths(BASE)] + [
+    (base, p) for base in COMPRESSED for p in key_paths(BASES[base]) if p.startswith("optimizer")
+]
+LEAVES = [(base, p) for base, p in KEYS if not isinstance(value_at(BASES[base], p), dict)]
 
 
-def with_value(path: str, value: Any) -> dict:
-    config = json.loads(json.dumps(BASE))
+def over_keys(keys: list[tuple[str, str]]) -> Any:
+    """Parametrize by (base, path), named by the path (after the optimizer type outside the base config)."""
+    ids = [path if base == "AdamW" else f"{base}:{path}" for base, path in keys]
+    return pytest.mark.parametrize("base, path", keys, ids=ids)
+
+
+def with_value(base: str, path: str, value: Any) -> dict:
+    config = json.loads(json.dumps(BASES[base]))
     *sections, key = path.split(".")
     node = config
     for section in sections:
@@ -435,14 +496,16 @@ def problem_lines(message: str) -> list[str]:
 
 
 def names(line: str, path: str) -> bool:
-    # A scheduler type that does not match the params is reported at the
-    # scheduler (the type decides which params are valid).
-    key = "scheduler" if path == "scheduler.type" else path
+    # An optimizer or scheduler type that does not match the params is
+    # reported at the section or its params (the type decides which params
+    # are valid).
+    key = path.split(".")[0] if path in ("optimizer.type", "scheduler.type") else path
     return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", line) is not None
 
 
-def test_the_base_config_loads_as_stated():
-    assert_holds(expected_config(BASE), load_config(BASE))
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_the_base_config_loads_as_stated(base):
+    assert_holds(expected_config(BASES[base]), load_config(BASES[base]))
 
 
 @FUZZ
@@ -478,15 +541,15 @@ def near(v: Any) -> st.SearchStrategy:
 
 
 @st.composite
-def substitutions(draw: st.DrawFn) -> tuple[str, Any]:
-    path = draw(st.sampled_from(PATHS))
-    return path, draw(near(value_at(BASE, path)) if draw(st.booleans()) else VALUES)
+def substitutions(draw: st.DrawFn) -> tuple[str, str, Any]:
+    base, path = draw(st.sampled_from(KEYS))
+    return base, path, draw(near(value_at(BASES[base], path)) if draw(st.booleans()) else VALUES)
 
 
-def check_substitution(path: str, value: Any) -> str:
+def check_substitution(base: str, path: str, value: Any) -> str:
     """The base config with `value` at `path` loads as stated, or is refused
     naming the key; which of the two."""
-    config = with_value(path, value)
+    config = with_value(base, path, value)
     expected = expected_config(config)
     if expected is REFUSED:
         message = refusal(config)
@@ -512,58 +575,58 @@ def test_any_value_at_any_key_loads_as_stated_or_is_refused_naming_the_key(subst
 EDGES = [None, "", 0, 1, -1, 2, 512, 4096, 4097]
 
 
-@pytest.mark.parametrize("path", LEAVES)
-def test_every_key_at_its_edges_loads_as_stated_or_is_refused_naming_the_key(path):
-    v = value_at(BASE, path)
+@over_keys(LEAVES)
+def test_every_key_at_its_edges_loads_as_stated_or_is_refused_naming_the_key(base, path):
+    v = value_at(BASES[base], path)
     off_by_one = [v - 1, v + 1] if type(v) in (int, float) else []
     for value in variants(v) + off_by_one + EDGES:
-        check_substitution(path, value)
+        check_substitution(base, path, value)
 
 
-NUMERIC = [p for p in LEAVES if type(value_at(BASE, p)) in (int, float)]
-BOOLEAN = [p for p in LEAVES if type(value_at(BASE, p)) is bool]
+NUMERIC = [(base, p) for base, p in LEAVES if type(value_at(BASES[base], p)) in (int, float)]
+BOOLEAN = [(base, p) for base, p in LEAVES if type(value_at(BASES[base], p)) is bool]
 
 
 # Every key, each with its own examples (hypothesis tries 0, 1 and True first).
 PER_KEY = settings(FUZZ, max_examples=25)
 
 
-@pytest.mark.parametrize("path", NUMERIC)
+@over_keys(NUMERIC)
 @PER_KEY
 @given(value=st.booleans() | TEXT.filter(lambda s: s != "auto"))
-def test_booleans_and_strings_are_never_numbers(path, value):
-    assert names(refusal(with_value(path, value)), path)
+def test_booleans_and_strings_are_never_numbers(base, path, value):
+    assert names(refusal(with_value(base, path, value)), path)
 
 
-@pytest.mark.parametrize("path", BOOLEAN)
+@over_keys(BOOLEAN)
 @PER_KEY
 @given(value=INTS | FLOATS)
-def test_numbers_are_never_booleans(path, value):
-    assert names(refusal(with_value(path, value)), path)
+def test_numbers_are_never_booleans(base, path, value):
+    assert names(refusal(with_value(base, path, value)), path)
 
 
-@pytest.mark.parametrize("path", LEAVES)
+@over_keys(LEAVES)
 @PER_KEY
 @given(value=st.integers(min_value=LIMIT + 1) | st.integers(max_value=-LIMIT - 1) | HUGE)
-def test_integers_past_2_to_the_62_are_never_accepted(path, value):
+def test_integers_past_2_to_the_62_are_never_accepted(base, path, value):
     if path == "optimizer.params.betas":
         value = [0.5, value]
-    config = with_value(path, value)
+    config = with_value(base, path, value)
     message = refusal(config)
     assert all(names(line, path) for line in problem_lines(message)), message
 
 
-FLOAT_KEYS = [
+FLOAT_KEYS = [("AdamW", p) for p in (
     "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps", "optimizer.params.weight_decay",
     "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "fp16.loss_scale", "fp16.min_loss_scale",
-]
+)] + [(base, "optimizer.params.max_grad_norm") for base in COMPRESSED]
 
 
-@pytest.mark.parametrize("path", FLOAT_KEYS)
+@over_keys(FLOAT_KEYS)
 @settings(FUZZ, max_examples=10)
 @given(value=st.integers(2**52, LIMIT // 2 - 1).map(lambda n: 2 * n + 1))  # odd past 2**53: no float
-def test_an_integer_that_a_float_key_would_round_is_refused(path, value):
-    assert names(refusal(with_value(path, value)), path)
+def test_an_integer_that_a_float_key_would_round_is_refused(base, path, value):
+    assert names(refusal(with_value(base, path, value)), path)
 
 
 # Files.
@@ -668,10 +731,91 @@ def test_initialize_refuses_an_argument_of_the_wrong_kind_naming_it(argument, va
 
 
 @FUZZ
-@given(path=st.sampled_from(PATHS), value=VALUES)
-def test_initialize_reports_a_bad_config_as_load_config_does(path, value):
-    config = with_value(path, value)
+@given(key=st.sampled_from(KEYS), value=VALUES)
+def test_initialize_reports_a_bad_config_as_load_config_does(key, value):
+    config = with_value(*key, value)
     assume(expected_config(config) is REFUSED)
     with pytest.raises(zcore.ConfigError) as info:
         zcore.initialize(model=torch.nn.Linear(2, 2), config=config)
     assert str(info.value) == refusal(config)
+
+
+# 1-bit Adam and 0/1 Adam take the place of ZeRO stage 0's all-reduce, on
+# the device: zcore.initialize builds them at stage 0 with the values given
+# (DeepSpeed's defaults for the others), and refuses stages 1-3 and an
+# offloaded optimizer naming the key.
+COMPRESSED_DEFAULTS = {
+    "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "freeze_step": 100_000,
+    "var_freeze_step": 100_000, "var_update_scaler": 16, "local_step_scaler": 32678, "local_step_clipper": 16,
+}
+# Each type's class, and its attributes that hold its own keys.
+COMPRESSED_OPTIMIZERS = {
+    "OneBitAdam": (OneBitAdam, ("freeze_step",)),
+    "ZeroOneAdam": (ZeroOneAdam, ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")),
+}
+NOT_AT_STAGE_0 = [  # zero_optimization, and the key the refusal names
+    pytest.param({"stage": 1}, "zero_optimization.stage", id="stage-1"),
+    pytest.param({"stage": 2}, "zero_optimization.stage", id="stage-2"),
+    pytest.param({"stage": 3}, "zero_optimization.stage", id="stage-3"),
+    pytest.param({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.stage", id="stage-2-offload"),
+    pytest.param(
+        {"stage": 0, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer.device",
+        id="stage-0-offload",
+    ),
+]
+
+
+@st.composite
+def compressed_sections(draw: st.DrawFn, valid: bool) -> dict:
+    """A 1-bit Adam or 0/1 Adam optimizer section (its type in any case)
+    with a few of its params, each as in the base config or, unless `valid`,
+    another type or spelling of it or an edge."""
+    kind = draw(st.sampled_from(COMPRESSED))
+    given = value_at(BASES[kind], "optimizer.params")
+    keys = draw(st.lists(st.sampled_from(sorted(given)), unique=True, max_size=3))
+    around = st.just if valid else lambda v: st.just(v) | near(v) | st.sampled_from(EDGES)
+    return {
+        "type": draw(st.sampled_from([kind, kind.lower(), kind.upper()])),
+        "params": {k: draw(around(given[k])) for k in keys},
+    }
+
+
+def initialize_refusal(config: dict) -> str:
+    with pytest.raises(zcore.ConfigError) as info:
+        zcore.initialize(model=torch.nn.Linear(2, 2), config=config)
+    return str(info.value)
+
+
+@settings(FUZZ, max_examples=100)
+@given(section=compressed_sections(valid=False))
+def test_initialize_builds_1_bit_and_0_1_adam_as_configured(section):
+    config = {"train_batch_size": 4, "optimizer": section}
+    expected = expected_config(config)
+    if expected is REFUSED:
+        assert initialize_refusal(config) == refusal(config)
+        event("refused by the config")
+        return
+    kind = expected["optimizer"]["type"]
+    cls, own_keys = COMPRESSED_OPTIMIZERS[kind]
+    values = {**COMPRESSED_DEFAULTS, **expected["optimizer"]["params"]}
+    engine, optimizer, *_ = zcore.initialize(model=torch.nn.Linear(2, 2), config=config)
+    try:
+        assert type(optimizer.inner) is cls
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            assert optimizer.inner.param_groups[0][key] == values[key], key
+        for key in own_keys:
+            assert getattr(optimizer.inner, key) == values[key], key
+    finally:
+        engine.destroy()
+    event(f"built {kind}")
+
+
+@pytest.mark.parametrize("zero, key", NOT_AT_STAGE_0)
+@settings(FUZZ, max_examples=20)
+@given(section=compressed_sections(valid=True))
+def test_initialize_refuses_1_bit_and_0_1_adam_under_zero_or_offload_naming_the_key(zero, key, section):
+    config = {"train_batch_size": 4, "optimizer": section, "zero_optimization": zero}
+    load_config(config)  # the config takes them at any stage
+    message = initialize_refusal(config)
+    kind = next(kind for kind in COMPRESSED if kind.lower() == section["type"].lower())
+    assert kind in message and names(message, key), message
