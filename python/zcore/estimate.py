@@ -32,6 +32,7 @@ import torch
 from zcore import _C
 from zcore.activation_estimate import SampleInput, saved_tensor_bytes
 from zcore.comm import DistributedContext
+from zcore.compressed_allreduce import padded_numel
 from zcore.config import Config, load_config
 from zcore.errors import InvalidArgumentError
 from zcore.gather_buffers import arena_capacity
@@ -54,6 +55,7 @@ WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "activations")
 ESTIMATE_CATEGORIES = (*CATEGORIES, *WORKING)
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one element per trained element of the shard
+COMPRESSED_ADAMS = ("OneBitAdam", "ZeroOneAdam")  # optimizer types with error feedback (zcore.optim.compressed_adam)
 _GIB, _MIB = 2**30, 2**20
 
 
@@ -196,6 +198,10 @@ class Planner:
         _parameters(layout, policies, cfg.zero_optimization.stage3_param_persistence_threshold, table)
         _gradients(layout, policies, self.device, table)
         _optimizer_states(layout, policies.offload, self.host_available, table)
+        if cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_ADAMS:
+            _compressed_states(layout, cfg.optimizer.type, world_size, table)
+            notes.append(f"optimizer states: {cfg.optimizer.type}'s error feedback included, which it holds from "
+                         "its first compressed step on")
         table.add("buffers", DEVICE, self.model.buffer_bytes(precision))
         _working_memory(layout, policies, cfg, precision, self.device, self.host_available, table)
         if self.activations is not None:
@@ -445,6 +451,19 @@ def _optimizer_states(layout: Layout, offload: OffloadPolicy, host_available: in
     master = FP32 * sum(u.shard_numel for u in trained)
     moments = ADAM_MOMENTS * FP32 * sum(u.trained_elements for u in trained)
     table.add("optimizer_states", TIER_NAMES[offload.optimizer], master + moments)
+
+
+def _compressed_states(layout: Layout, kind: str, world_size: int, table: _Table) -> None:
+    """1-bit Adam and 0/1 Adam (zcore.memory_report._theory_compressed),
+    on the device, once compressing: per trained parameter (a piece: stage
+    0 keeps them whole), fp32 error feedback of its elements padded as
+    DeepSpeed pads them (worker) and 1/N of that (server); 0/1 Adam's local
+    phase adds each parameter's fp32 values at the last synchronisation."""
+    numels = [p.numel for u in layout.trained for p in u.pieces]
+    padded = [padded_numel(n, world_size) for n in numels]
+    errors = FP32 * sum(n + n // world_size for n in padded)
+    synchronised = FP32 * sum(numels) if kind == "ZeroOneAdam" else 0
+    table.add("optimizer_states", DEVICE, errors + synchronised)
 
 
 def _sub_groups(trained: list[Shard], offload: OffloadPolicy, host_available: int) -> list:

@@ -8,14 +8,24 @@ of the h ranks contributes its k shards. The second level's result is the
 shards in (local index, node) order, which a transpose puts in the group's
 (node, local index) order. The group's ranks must be numbered node by node
 (zcore.topology.Topology.in_rank_order).
+
+With qwZ, each rank quantizes its shard once and both levels move those
+int8 bytes (codes and scales) unchanged; every rank decodes the s slices
+once at the end (zcore.quantized_collectives.QuantizedAllGather). So the
+weights are those a flat qwZ gather over the shard group gives, within
+half a scale of the shards. (Quantizing at each level would decode the k
+shards after the first and quantize them again in blocks that run across
+shard boundaries: two errors, the second scaled by a neighbour's largest.)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
 
+from zcore.quantized_collectives import QuantizedAllGather, weight_gather
 from zcore.topology import RankGroup
 
 Gather = Callable[[torch.Tensor, torch.Tensor], Any]  # gather(output, shard) -> what wait() completes
@@ -49,14 +59,14 @@ class HierarchicalAllGather:
         self._across = None
 
 
-def hierarchical_gather(
-    make: Callable[[RankGroup], Gather], intra: RankGroup, inter: RankGroup
-) -> Gather:
+def hierarchical_gather(quantized: bool, intra: RankGroup, inter: RankGroup) -> Gather:
     """Two-level gathers over ``inter`` (one rank per node) then ``intra``
-    (the node), each made by ``make(group)`` (plain or int8, as qwZ says)."""
-    across, within = make(inter), make(intra)
+    (the node); ``quantized`` (qwZ): of the int8 slices, decoded once."""
+    across, within = weight_gather(False, inter.size, inter.group), weight_gather(False, intra.size, intra.group)
 
     def start(output: torch.Tensor, shard: torch.Tensor) -> HierarchicalAllGather:
         return HierarchicalAllGather(output, shard, across, within, inter.size, intra.size)
 
-    return start
+    if not quantized:
+        return start
+    return functools.partial(QuantizedAllGather, world_size=inter.size * intra.size, gather=start)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from zcore import _C
+from zcore.compressed_allreduce import padded_numel
 from zcore.gradient_shards import SwappedGradients
+from zcore.optim import CompressedAdam, ZeroOneAdam
 from zcore.partition import Unit
 from zcore.policies import Policies, Tier
 from zcore.sharded_optimizer import ShardedOptimizer
@@ -144,6 +146,8 @@ def measure_memory(
         _measure_gradients(optimizer, measured)
         _measure_optimizer_states(optimizer, offload.optimizer, measured)
         _theory_states(policies, units, device, theoretical)
+        if isinstance(optimizer.inner, CompressedAdam):
+            _theory_compressed(optimizer.inner, theoretical)
     buffers = _tensor_bytes(module.buffers())
     measured.add("buffers", DEVICE, buffers)
     theoretical.add("buffers", DEVICE, buffers)
@@ -186,10 +190,13 @@ def _measure_gradients(optimizer: ShardedOptimizer, table: _Table) -> None:
 
 def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _Table) -> None:
     """In memory on the optimizer's tier (NVMe states pass through the host);
-    on NVMe, the sub-groups' extents in the swap file."""
+    on NVMe, the sub-groups' extents in the swap file. 1-bit Adam and 0/1
+    Adam keep more beside their states (on the device: they refuse offload)."""
     table.add("optimizer_states", HOST if tier is Tier.NVME else TIER_NAMES[tier], optimizer.state_bytes())
     if tier is Tier.NVME:
         table.add("optimizer_states", NVME, optimizer.master.swap.stats().used)
+    if isinstance(optimizer.inner, CompressedAdam):
+        table.add("optimizer_states", DEVICE, _tensor_bytes(optimizer.inner.held_tensors()))
 
 
 # Theoretical (the ZeRO paper's figures for this model; padding is not counted).
@@ -209,7 +216,9 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 #   fp32 host copies of the shards, 4*Psi/N (4*Psi in stage 0);
 # - optimizer states: fp32 Adam's master, exp_avg and exp_avg_sq, 12*Psi/N
 #   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
-#   memory between steps;
+#   memory between steps; 1-bit Adam and 0/1 Adam (stage 0, on the device)
+#   add fp32 error feedback once they have compressed (``_theory_compressed``,
+#   whose padding is counted: it is the algorithm's, as DeepSpeed pads);
 # - buffers: the module's, whole on the device on every rank.
 def _theory_sharded_parameters(fetcher: ParamFetcher, policies: Policies, steps: bool, table: _Table) -> None:
     """``steps``: an optimizer changes the trained groups between steps."""
@@ -245,3 +254,21 @@ def _theory_states(policies: Policies, units: list[Unit], device: torch.device, 
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, 4 * shard)
     table.add("optimizer_states", TIER_NAMES[offload.optimizer], 12 * shard)
+
+
+def _theory_compressed(inner: CompressedAdam, table: _Table) -> None:
+    """1-bit Adam and 0/1 Adam on N ranks (zcore.compressed_allreduce),
+    beside their states. From the first compressed exchange (none before
+    it, nor after a checkpoint load until the next), each compressed
+    parameter's error feedback in fp32: a worker error of its elements
+    padded as DeepSpeed pads them (``padded_numel``: a multiple of N x
+    lcm(N, 8), per parameter) and a server error of 1/N of that. 0/1 Adam,
+    from its first local step, also each parameter's fp32 values at the last
+    synchronisation."""
+    world = inner.world_size
+    if inner.errors:
+        compressed = [p for g in inner.param_groups if inner.compresses(g) for p in g["params"]]
+        padded = [padded_numel(p.numel(), world) for p in compressed]
+        table.add("optimizer_states", DEVICE, sum(4 * (n + n // world) for n in padded))
+    if isinstance(inner, ZeroOneAdam) and inner.synchronised:
+        table.add("optimizer_states", DEVICE, sum(4 * p.numel() for g in inner.param_groups for p in g["params"]))

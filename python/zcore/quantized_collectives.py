@@ -93,10 +93,18 @@ class _Slice:
 class QuantizedAllGather:
     """``output`` (ranks x shard elements) receives every rank's ``shard``
     over ``group`` (``world_size`` ranks; None: the world), int8-quantized on
-    the wire; ``wait()`` decodes it."""
+    the wire; ``wait()`` decodes it. ``gather(received, packed)``: how the
+    packed slices travel, in rank order (default: one all-gather over
+    ``group``; zcore.hierarchical_gather passes its two levels, so that a
+    shard is quantized once and decoded once whatever the route)."""
 
     def __init__(
-        self, output: torch.Tensor, shard: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup] = None
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        world_size: int,
+        group: Optional[dist.ProcessGroup] = None,
+        gather: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None,
     ) -> None:
         self._output = output.view(world_size, -1)
         self._layout = _Slice(shard.numel(), WEIGHT_BITS, WEIGHT_BLOCK)
@@ -104,7 +112,9 @@ class QuantizedAllGather:
         self._send = torch.empty(n, dtype=torch.uint8, device=shard.device)
         self._layout.pack(shard.reshape(-1), self._send)
         self._received = torch.empty(world_size * n, dtype=torch.uint8, device=shard.device)
-        self._work: Any = comm.all_gather_into(self._received, self._send, async_op=True, group=group)
+        if gather is None:
+            gather = functools.partial(comm.all_gather_into, async_op=True, group=group)
+        self._work: Any = gather(self._received, self._send)
 
     def wait(self) -> None:
         """Like torch's Work.wait(): a second call returns at once."""

@@ -138,7 +138,9 @@ def weight_gathers(
     primary = over(shard)
     if policy.hierarchical_gather:
         assert topology is not None
-        primary = hierarchical_gather(over, topology.node_local(), topology.across_nodes_within(shard.size))
+        primary = hierarchical_gather(
+            policy.quantized_weights, topology.node_local(), topology.across_nodes_within(shard.size)
+        )
     if policy.hpz_size == 1:
         return WorldGathers(primary)
     assert topology is not None

@@ -15,6 +15,9 @@ optimizer types; zcore.optim.compressed_adam) at ZeRO stage 0 on gloo ranks.
   rank's own norm (DeepSpeed's rules with local gradients).
 - Configs: DeepSpeed's accepted, the combinations that cannot work refused
   by key; checkpoints keep what DeepSpeed's load keeps.
+- Memory: the error feedback (and 0/1 Adam's synchronised parameters),
+  counted by engine.memory_report() and zcore.estimate_memory as the
+  optimizer's tensors hold them.
 """
 
 from __future__ import annotations
@@ -245,7 +248,8 @@ def non_freeze_group(rank: int, world: int) -> dict:
         opt.step()
         variances.append([opt.state[p]["exp_avg_sq"].clone() for p in (exact, frozen)])
     momentum = opt.state[exact]["exp_avg"].clone()
-    return {"variances": variances, "exact_momentum": momentum, "exact": exact.detach().clone()}
+    held = [t.numel() for t in opt.held_tensors()]
+    return {"variances": variances, "exact_momentum": momentum, "exact": exact.detach().clone(), "held": held}
 
 
 def test_a_non_freeze_group_stays_exact_while_the_others_compress():
@@ -258,6 +262,7 @@ def test_a_non_freeze_group_stays_exact_while_the_others_compress():
         assert torch.allclose(rank["exact_momentum"], torch.full((5,), m))
         assert torch.allclose(rank["variances"][-1][0], torch.full((5,), v))
         assert torch.equal(rank["variances"][-1][1], rank["variances"][0][1])  # frozen after step 1
+        assert rank["held"] == [16, 8]  # error feedback for the compressed group only: 5 padded to 16, and 16 / 2
     assert torch.equal(got[0]["exact"], got[1]["exact"])
 
 
@@ -443,3 +448,72 @@ def test_checkpoint_keeps_the_moments_and_restarts_the_error_feedback(tmp_path, 
         for key in ("exp_avg", "exp_avg_sq"):
             assert relative_error(got["loaded"][key], got["saved"][key]) == 0.0, key
         assert got["resumed"] == got["continued"]
+
+
+# Memory: what they keep beside Adam's states.
+MEMORY_STEPS = 5
+MEMORY_RUNS = {
+    "1-bit": optimizer("OneBitAdam", freeze_step=2),  # compresses from step 3
+    "0/1": optimizer("ZeroOneAdam", var_freeze_step=2),  # local steps from step 4, each synchronising
+}
+
+
+def actual_extra_bytes(inner) -> int:
+    """The bytes of the optimizer's error feedback and synchronised copies, read off the tensors."""
+    errors = [t for e in inner.errors.values() for t in (e.worker, e.server)]
+    copies = list(getattr(inner, "synchronised", {}).values())
+    return sum(t.numel() * t.element_size() for t in errors + copies)
+
+
+def memory_by_step(rank: int, world: int, opt: dict) -> dict:
+    """After each step: the report's measured and theoretical optimizer
+    states on the device, Adam's states alone (master and moments), and the
+    extra tensors' bytes; then the model's parameters' sizes."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, *_ = zcore.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": opt})
+    inner = engine.optimizer.inner
+    steps = []
+    for step in range(MEMORY_STEPS):
+        tokens = sequences(step, rank, rows=2)
+        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+        engine.step()
+        report = engine.memory_report()
+        steps.append({
+            "measured": report.measured_tiers["device"].optimizer_states,
+            "theory": report.theoretical_tiers["device"].optimizer_states,
+            "adam": engine.optimizer.state_bytes(),
+            "extra": actual_extra_bytes(inner),
+            "errors": len(inner.errors),
+        })
+    engine.destroy()
+    return {"steps": steps, "numels": [p.numel() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3: padding to a multiple of 3 x lcm(3, 8) = 72 per parameter
+@pytest.mark.parametrize("label", sorted(MEMORY_RUNS))
+def test_the_error_feedback_is_counted_as_optimizer_state(label, world):
+    opt = MEMORY_RUNS[label]
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": opt}
+    estimate = zcore.estimate_memory(TinyGPT(), config, world, device="cpu").tiers["device"].optimizer_states
+    adam = zcore.estimate_memory(TinyGPT(), {**config, "optimizer": optimizer("Adam")}, world,
+                                 device="cpu").tiers["device"].optimizer_states
+    first_compressed = {"1-bit": 3, "0/1": 4}[label]
+    for rank, run in enumerate(run_ranks(memory_by_step, world, opt, timeout=180)):
+        numels = run["numels"]
+        for step, got in enumerate(run["steps"], start=1):
+            where = f"{label}, world {world}, rank {rank}, step {step}: {got}"
+            assert got["measured"] == got["adam"] + got["extra"], where
+            assert got["theory"] == got["measured"], where
+            if step < first_compressed:
+                assert got["extra"] == 0, where
+                continue
+            # Every parameter's worker and server errors, and 0/1 Adam's copies.
+            padded = [-(-n // (world * math.lcm(world, 8))) * world * math.lcm(world, 8) for n in numels]
+            copies = 4 * sum(numels) if label == "0/1" else 0
+            assert got["errors"] == len(numels), where
+            assert got["extra"] == 4 * sum(n + n // world for n in padded) + copies, where
+        # The estimate: Adam's states and, from the first compressed step on, these.
+        final = run["steps"][-1]
+        assert estimate - adam == final["extra"], (label, world, rank)
+        assert estimate == final["measured"], (label, world, rank)

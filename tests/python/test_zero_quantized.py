@@ -20,6 +20,8 @@ loss by several percent within a few steps here.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,7 +49,8 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def config(stage: int, weights: bool, gradients: bool, **extra) -> dict:
+def config(stage: int, weights: bool, gradients: bool, zero: Optional[dict] = None, **extra) -> dict:
+    """``zero``: more zero_optimization keys; ``extra``: more top-level keys."""
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -56,16 +59,21 @@ def config(stage: int, weights: bool, gradients: bool, **extra) -> dict:
             "stage3_param_persistence_threshold": 0,
             "zero_quantized_weights": weights,
             "zero_quantized_gradients": gradients,
+            **(zero or {}),
         },
         **extra,
     }
 
 
-def train(rank: int, stage: int, weights: bool, gradients: bool, precision: str, steps: int) -> dict:
+def train(
+    rank: int, stage: int, weights: bool, gradients: bool, precision: str, steps: int, zero: Optional[dict] = None
+) -> dict:
+    """This rank's losses, the evaluation loss and the final parameters
+    (gathered as the engine gathers them)."""
     torch.manual_seed(0)
     model = TinyGPT()
     extra = {} if precision == "fp32" else {precision: {"enabled": True}}
-    engine, *_ = zcore.initialize(model=model, config=config(stage, weights, gradients, **extra),
+    engine, *_ = zcore.initialize(model=model, config=config(stage, weights, gradients, zero, **extra),
                                   model_parameters=model.parameters())
     losses = []
     for step in range(steps):
@@ -78,8 +86,10 @@ def train(rank: int, stage: int, weights: bool, gradients: bool, precision: str,
     with torch.no_grad():
         held_out = sequences(10_000, 0, rows=EVAL_ROWS)
         eval_loss = lm_loss(engine(held_out[:, :-1]), held_out).item()
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
-    return {"losses": losses, "eval": eval_loss}
+    return {"losses": losses, "eval": eval_loss, "params": params}
 
 
 def windows(losses: list[float], size: int = 10) -> list[float]:

@@ -80,6 +80,17 @@ class CompressedAdam(torch.optim.Optimizer):
         self.steps_taken = max(steps, default=0)
         self.errors.clear()
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What this optimizer keeps beside ``state`` (zcore.memory_report
+        counts it): each parameter's error feedback, made at its first
+        compressed exchange and dropped by a checkpoint load."""
+        return [t for error in self.errors.values() for t in (error.worker, error.server)]
+
+    def compresses(self, group: dict) -> bool:
+        """Whether the parameters of ``group`` go through the 1-bit
+        all-reduce, so that they get error feedback."""
+        return True
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The current momentum masks stay, whatever the saved groups hold (DeepSpeed's rule).
         groups = state_dict["param_groups"]

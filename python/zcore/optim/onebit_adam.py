@@ -56,19 +56,22 @@ class OneBitAdam(CompressedAdam):
     def takes_averaged_gradients(self) -> bool:
         return not self.compressing
 
+    def compresses(self, group: dict) -> bool:
+        return not group.get("non_freeze", False)  # a non_freeze group stays exact (module docstring)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         loss = self._call(closure)
         compressing = self.compressing
         entries = self._entries()
         if compressing:
-            self._average_exactly([p.grad for g, p, _ in entries if g.get("non_freeze", False)])
+            self._average_exactly([p.grad for g, p, _ in entries if not self.compresses(g)])
         frozen = []  # (group, parameter, momentum) to average compressed
         for group, p, state in entries:
             beta1, beta2 = group["betas"]
             grad = p.grad
             state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-            if compressing and not group.get("non_freeze", False):
+            if compressing and self.compresses(group):
                 frozen.append((group, p, state["exp_avg"]))
             else:
                 state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

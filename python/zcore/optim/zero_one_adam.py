@@ -112,6 +112,11 @@ class ZeroOneAdam(CompressedAdam):
     def takes_averaged_gradients(self) -> bool:
         return self.phase is Phase.VARIANCE and self._updates_variance()
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The error feedback, and in the local phase each parameter's
+        values at the last synchronisation."""
+        return [*super().held_tensors(), *self.synchronised.values()]
+
     def restart_from_loaded_state(self) -> None:
         super().restart_from_loaded_state()
         self.intervals = Intervals()
