@@ -175,21 +175,23 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False, group: Optional
     return None
 
 
-def all_reduce_max(tensor: torch.Tensor) -> None:
+def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> None:
     with tracing.waiting(Wait.COMM):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order. For error paths: slow."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable) over ``group`` (None: the world), in
+    rank order. For error paths: slow."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+def broadcast_from_rank0(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> None:
+    """``tensors`` from the first rank of ``group`` (None: the world)."""
     for t in tensors:
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, group_src=0, group=group)
 
 
 def wait_all(works: list[Optional[dist.Work]]) -> None:

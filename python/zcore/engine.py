@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, TypeVar, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +36,7 @@ from zcore.topology import DataParallelRanks
 log = logging.getLogger("zcore")
 # wall_clock_breakdown's lines: printed even where the application set up no logging.
 step_log = logging.getLogger("zcore.steps")
+T = TypeVar("T")
 
 
 class ParamResidency(Protocol):
@@ -236,25 +237,45 @@ class Engine:
         optimizer = self._trainer("backward")
         if self.metrics is not None:
             self.metrics.loss(loss)
+        factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         with self._phase(Phase.BACKWARD):
-            self._backward(optimizer, loss, scale_wrt_gas)
+            self._backward(optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward())
         self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
-    def _backward(self, optimizer: ShardedOptimizer, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
+    def pipeline_backward(self, run: Callable[[float], T], boundary: bool) -> T:
+        """One micro-batch's backward as a pipeline schedule runs it
+        (zcore.pipelining): ``run(factor)`` back-propagates with the loss
+        scaled by ``factor`` (the loss scale over the accumulation steps);
+        ``boundary``: whether it ends the accumulation window (the schedule
+        decides, as set_gradient_accumulation_boundary does). Call
+        ``step()`` after it, as after ``backward``."""
+        self._refuse_if_broken()
+        optimizer = self._trainer("backward")
+        factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
+        self.set_gradient_accumulation_boundary(boundary)
+        with self._phase(Phase.BACKWARD):
+            # The window's forwards and backwards interleave (1F1B, GPipe):
+            # ZeRO-3's step spans them all, so it ends with the last backward.
+            result = self._backward(optimizer, lambda: run(factor), end_step=boundary)
+        self.micro_step_phase = MicroStep.AWAITING_STEP
+        return result
+
+    def _backward(self, optimizer: ShardedOptimizer, run: Callable[[], T], end_step: bool = True) -> T:
         self._finish_step()
         reducer = optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
-        factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         try:
-            (loss * factor if factor != 1.0 else loss).backward()
+            result = run()
         except BaseException as exc:
             self.residency.abort_after(exc)
             if isinstance(exc, DiskIOError):
                 self._broken = f"the backward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
             raise
-        self.residency.end_step()
+        if end_step:
+            self.residency.end_step()
         reducer.end_backward()
+        return result
 
     def step(self) -> None:
         """Steps the optimizer at an accumulation boundary; counts the micro-step."""
@@ -396,8 +417,10 @@ class Engine:
     @property
     def device_mesh(self) -> Optional[DeviceMesh]:
         """The nodes x ranks mesh hpZ, MiCS and qgZ use (the one given to
-        zcore.initialize, or built from LOCAL_WORLD_SIZE); None where no
-        feature needed one."""
+        zcore.initialize, or built from LOCAL_WORLD_SIZE), or the "dp" x "tp"
+        mesh given (zcore.model_parallel); None where no feature needed one."""
+        if self.ranks.model_parallel is not None:
+            return self.ranks.model_parallel.mesh
         topology = self.ranks.topology
         return topology.mesh if topology is not None else None
 

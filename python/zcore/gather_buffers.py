@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zcore.arena import DEFAULT_ALIGNMENT, Arena, Block
+from zcore.model_parallel import local_tensor
 from zcore.sharded_group import ShardedGroup
 
 
@@ -135,7 +137,12 @@ class GatherBuffers:
 
     def owner_of(self, t: torch.Tensor) -> Optional[tuple[int, int]]:
         """(group, element offset of ``t`` in the group's buffer) when ``t``
-        views a gathered buffer, else None."""
+        views a gathered buffer, else None. A DTensor views one when its
+        local tensor does; another wrapper without storage of its own
+        (torch's async collective results) views none."""
+        t = local_tensor(t)
+        if is_traceable_wrapper_subclass(t):
+            return None
         ptr = t.untyped_storage().data_ptr()
         group = self._plain_ptrs.get(ptr)
         if group is not None:

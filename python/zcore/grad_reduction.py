@@ -27,9 +27,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
 from zcore import comm
 from zcore.gradient_shards import GradientShards, ResidentGradients, squared_norm_of
+from zcore.model_parallel import local_grad
 from zcore.partition import Unit
 from zcore.topology import RankGroup
 
@@ -90,12 +92,15 @@ class GradientReducer:
     """Shared parts: hooks in, fp32 gradient shards and used-parameter flags out."""
 
     def __init__(
-        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter
+        self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
+        group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         """``reduce_scatter(shard, full)``: starts a bucket's reduce-scatter,
-        returning what ``wait()`` completes (zcore.quantized_collectives)."""
+        returning what ``wait()`` completes (zcore.quantized_collectives).
+        ``group``: the ``world_size`` data-parallel ranks (None: the world)."""
         self.units = units
         self.world_size = world_size
+        self.group = group
         self.reduce_dtype = reduce_dtype
         self.reduce_scatter = reduce_scatter
         self.tracker = _UnitTracker(units)
@@ -117,6 +122,7 @@ class GradientReducer:
         param.grad = None
         if grad is None:
             return
+        grad = local_grad(param, grad)
         self.window_used[unit][index] = 1
         first = self.tracker.arrive(unit, index)
         if not first and self.tracker.launched(unit) and self._reduces_this_micro_step():
@@ -144,7 +150,7 @@ class GradientReducer:
         device = self.units[0].device if self.units else torch.device("cpu")
         flags = torch.tensor([f for unit in self.window_used for f in unit], dtype=torch.int32, device=device)
         if self.world_size > 1:
-            comm.all_reduce_max(flags)
+            comm.all_reduce_max(flags, group=self.group)
         return list(flags.split([len(u.params) for u in self.units]))
 
     def end_window(self) -> None:
@@ -187,9 +193,9 @@ class AccumulateThenReduce(GradientReducer):
 
     def __init__(
         self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
-        sharded: bool,
+        sharded: bool, group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        super().__init__(units, world_size, reduce_dtype, reduce_scatter)
+        super().__init__(units, world_size, reduce_dtype, reduce_scatter, group)
         self.sharded = sharded
         # Stage 0: the optimizer, when it decides which steps' gradients are
         # averaged (zcore.initialize sets it); None: every step's are.
@@ -225,7 +231,7 @@ class AccumulateThenReduce(GradientReducer):
                     out.copy_(send)
             else:
                 out = send
-                work = comm.all_reduce_sum(out, async_op=True) if self.world_size > 1 else None
+                work = comm.all_reduce_sum(out, async_op=True, group=self.group) if self.world_size > 1 else None
             self._pending.append((u, out, send, work))
 
     def _retire_all(self) -> None:
@@ -264,11 +270,12 @@ class ReduceScatterEveryMicroStep(GradientReducer):
     def __init__(
         self, units: list[Unit], world_size: int, reduce_dtype: torch.dtype, reduce_scatter: ReduceScatter,
         grads: GradientShards | None = None, shard_size: int | None = None, replicas: RankGroup | None = None,
+        group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         """``grads``: where the shards accumulate (default: in memory, on the
         device). ``shard_size``: the ranks ``reduce_scatter`` runs over
         (default: the world); ``replicas``: MiCS's replica group."""
-        super().__init__(units, world_size, reduce_dtype, reduce_scatter)
+        super().__init__(units, world_size, reduce_dtype, reduce_scatter, group)
         self.grads = grads if grads is not None else ResidentGradients(units)
         self.shard_size = world_size if shard_size is None else shard_size
         self.replicas = replicas

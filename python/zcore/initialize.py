@@ -28,6 +28,13 @@ from zcore.gradient_shards import SwappedGradients
 from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
+from zcore.model_parallel import (
+    ModelParallelMesh,
+    check_parameters,
+    local_tensor,
+    model_parallel_mesh,
+    refuse_with_model_parallel,
+)
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
 from zcore.host_memory import PAGE_ALIGNMENT
@@ -93,7 +100,10 @@ def initialize(
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
     ``device_mesh``: which ranks share a node, for hpZ, MiCS and qgZ
-    (zcore.topology); default: nodes of LOCAL_WORLD_SIZE ranks.
+    (zcore.topology); default: nodes of LOCAL_WORLD_SIZE ranks. A mesh
+    whose dimensions are named "dp" and "tp" instead composes zcore with
+    torch's tensor parallelism: zcore shards over "dp" only, and the model's
+    layers may be DTensors parallelized over "tp" (zcore.model_parallel).
 
     With no optimizer at all (none passed, none configured), the engine is
     for forward passes and generation only (ZeRO-Inference): parameters are
@@ -109,8 +119,12 @@ def initialize(
     precision = precision_from_config(cfg)
     if precision.compute_dtype != torch.float32 and not precision.cast_buffers:
         _check_norm_statistics(model, precision.compute_dtype)  # before the model is changed
-    policies = policies_from_config(cfg, context)
-    ranks = _data_parallel_ranks(policies, device_mesh, context)
+    model_parallel = model_parallel_mesh(device_mesh)
+    if model_parallel is not None:
+        refuse_with_model_parallel(cfg, model_parallel)
+        check_parameters(model, model_parallel)
+    policies = policies_from_config(cfg, context, None if model_parallel is None else model_parallel.data_parallel)
+    ranks = _data_parallel_ranks(policies, device_mesh, context, model_parallel)
 
     on_meta = is_meta(model)
     if on_meta and not policies.stage.shards_parameters:
@@ -123,22 +137,22 @@ def initialize(
     if optimizer is None and cfg.optimizer is None:
         engine = _inference_engine(model, cfg, context, precision, policies, ranks, meta)
         _WRAPPED.add(model)
-        return engine, None, _data_loader(training_data, engine.batch, context, collate_fn), None
-    batch = BatchSizes(*cfg.batch_sizes(context.world_size))
+        return engine, None, _data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), None
+    batch = BatchSizes(*cfg.batch_sizes(ranks.data_parallel.size))
     offload = policies.offload
     master: Union[MasterShards, SwappedMaster]
     if policies.stage.shards_parameters:
         groups = collect_param_groups(model, optimizer, model_parameters)
-        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks.shard)
+        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, policies, ranks)
         master = _master(units, offload, context)
-        _fill(plan, sharded_groups, context, meta, fetcher, master, units)
+        _fill(plan, sharded_groups, context, ranks.data_parallel, meta, fetcher, master, units)
         fetcher_hooks += _present_sharded(model, sharded_groups, context)
         fetcher_hooks += hooks.register_backward_exit_hooks(fetcher)
         layouts: list = []  # placed in the compute dtype already
     else:
-        _place_and_synchronise(model, context)
+        _place_and_synchronise(model, context, ranks.data_parallel)
         groups = collect_param_groups(model, optimizer, model_parameters)
         units = layouts = _pack(groups, cfg, policies.stage, context.device)
         master = _master(units, offload, context)
@@ -163,7 +177,9 @@ def initialize(
         residency = publisher = fetcher
         shards: UnitShards = StoredShards(fetcher)
     else:
-        publisher = GatherUnits(units) if policies.stage.gathers_updated_units else KeepUnits()
+        publisher = (
+            GatherUnits(units, ranks.data_parallel.group) if policies.stage.gathers_updated_units else KeepUnits()
+        )
         residency = ResidentParams(units, publisher)
         shards = UnitShards()
     sharded = ShardedOptimizer(
@@ -176,11 +192,12 @@ def initialize(
         shard=ranks.shard,
         publisher=publisher,
         group_params=[g["params"] for g in groups.groups],
+        model_parallel=ranks.model_parallel,
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles, ranks)
     _WRAPPED.add(model)
-    loader = _data_loader(training_data, batch, context, collate_fn)
+    loader = _data_loader(training_data, batch, ranks.data_parallel, collate_fn)
     return engine, sharded, loader, scheduler
 
 
@@ -218,21 +235,21 @@ def _inference_engine(
     in the compute dtype; no gradients, master weights or optimizer."""
     given = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
     if any(v is not None for v in given):
-        batch = BatchSizes(*cfg.batch_sizes(context.world_size))
+        batch = BatchSizes(*cfg.batch_sizes(ranks.data_parallel.size))
     else:  # a batch size only sizes the data loader here
-        batch = BatchSizes(context.world_size, 1, 1)
+        batch = BatchSizes(ranks.data_parallel.size, 1, 1)
     residency: ParamResidency
     handles: list = []
     if policies.stage.shards_parameters:
-        plan, groups, hooked = _plan_shards(model, context, precision, ranks.shard)
+        plan, groups, hooked = _plan_shards(model, context, precision, ranks)
         fetcher, handles = _fetcher(model, groups, hooked, cfg, policies, ranks)
-        _fill(plan, groups, context, meta_init, fetcher)
+        _fill(plan, groups, context, ranks.data_parallel, meta_init, fetcher)
         handles += _present_sharded(model, groups, context)
         handles += hooks.register_backward_exit_hooks(fetcher)
         _cast_model(model, [], precision)
         residency = fetcher
     else:
-        _place_and_synchronise(model, context)
+        _place_and_synchronise(model, context, ranks.data_parallel)
         _cast_model(model, [], precision)
         residency = ResidentParams([], KeepUnits())
     return Engine(model, None, None, cfg, policies, context, batch, residency, handles, ranks)
@@ -256,6 +273,7 @@ def _fetcher(
         swap=functools.partial(offload.parameter_swap.open, "params") if offload.parameter_swap else None,
         comm_policy=policies.comm,
         topology=ranks.topology,
+        data_parallel=ranks.data_parallel,
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
     gathered_parameters.track(fetcher)
@@ -318,30 +336,36 @@ def _refuse_wrapped(model: torch.nn.Module) -> None:
         )
 
 
-def _place_and_synchronise(model: torch.nn.Module, context: comm.DistributedContext) -> None:
+def _place_and_synchronise(
+    model: torch.nn.Module, context: comm.DistributedContext, data_parallel: RankGroup
+) -> None:
     model.to(context.device)
-    if context.world_size > 1:
-        # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
+    if data_parallel.size > 1:
+        # Every rank starts from the first data-parallel rank's weights, as
+        # DDP and DeepSpeed do (a DTensor's: its local slice, from the rank
+        # holding the same slice).
         with torch.no_grad():
-            comm.broadcast_from_rank0([*model.parameters(), *model.buffers()])
+            tensors = [local_tensor(t) for t in (*model.parameters(), *model.buffers())]
+            comm.broadcast_from_rank0(tensors, data_parallel.group)
 
 
 def _plan_shards(
-    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision, shard: RankGroup
+    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision, ranks: DataParallelRanks
 ) -> tuple[GroupPlan, list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
     """Stage 3: which parameters form which group, and the groups (without
-    values: ``_fill`` gives them); buffers go to the device whole, rank 0's
-    on every rank (those on the meta device later, as ``_fill`` materialises
-    them)."""
+    values: ``_fill`` gives them); buffers go to the device whole, the first
+    data-parallel rank's on every rank (those on the meta device later, as
+    ``_fill`` materialises them)."""
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             if not buf.is_meta:
                 setattr(module, name, buf.to(context.device))
-    if context.world_size > 1:
+    if ranks.data_parallel.size > 1:
         with torch.no_grad():
-            comm.broadcast_from_rank0([b for b in model.buffers() if not b.is_meta])
+            buffers = [local_tensor(b) for b in model.buffers() if not b.is_meta]
+            comm.broadcast_from_rank0(buffers, ranks.data_parallel.group)
     plan = plan_groups(model)
-    groups, hooked = build_groups(plan, shard.size, shard.rank, context.device, precision.compute_dtype)
+    groups, hooked = build_groups(plan, ranks.shard.size, ranks.shard.rank, context.device, precision.compute_dtype)
     return plan, groups, hooked
 
 
@@ -349,13 +373,14 @@ def _fill(
     plan: GroupPlan,
     groups: list[ShardedGroup],
     context: comm.DistributedContext,
+    data_parallel: RankGroup,
     meta_init: Optional[MetaInit],
     fetcher: ParamFetcher,
     master: Optional[Union[MasterShards, SwappedMaster]] = None,
     units: Sequence[Unit] = (),
 ) -> None:
-    """Stage 3: each group's shard, one module at a time, from rank 0's
-    values (materialised first where the model was built on the meta
+    """Stage 3: each group's shard, one module at a time, from the first
+    data-parallel rank's values (materialised first where the model was built on the meta
     device, zcore.meta_init): its trained values to the master first, then,
     in the compute dtype, to the tier its shard rests on. Memory holds one
     module's full parameters and one sub-group of optimizer states beyond
@@ -377,12 +402,12 @@ def _fill(
         fetcher.place_shard(group, values)
         bar.update((state_bytes[u] if u is not None else 0) + shard_bytes.get(group.index, 0))
 
-    synchronise = context.world_size > 1
+    synchronise = data_parallel if data_parallel.size > 1 else None
     with bar:
         if meta_init is None:
             fill_groups(plan, groups, synchronise, place)
         else:
-            with meta_init.materialising(plan.model, context.device, synchronise) as materialise:
+            with meta_init.materialising(plan.model, context.device, synchronise is not None) as materialise:
                 fill_groups(plan, groups, synchronise, place, materialise)
     if master is not None:
         master.finish()
@@ -535,19 +560,24 @@ def _reducer(
             grads = SwappedGradients(units, swap, pending_limit=2 * largest)
         return ReduceScatterEveryMicroStep(
             units, stage.world_size, precision.reduce_dtype, reduce_scatter, grads,
-            shard_size=ranks.shard.size, replicas=ranks.replicas,
+            shard_size=ranks.shard.size, replicas=ranks.replicas, group=ranks.data_parallel.group,
         )
     return AccumulateThenReduce(
-        units, stage.world_size, precision.reduce_dtype, reduce_scatter, sharded=stage.shards_optimizer_states
+        units, stage.world_size, precision.reduce_dtype, reduce_scatter, sharded=stage.shards_optimizer_states,
+        group=ranks.data_parallel.group,
     )
 
 
 def _data_parallel_ranks(
-    policies: Policies, device_mesh: Optional[DeviceMesh], context: comm.DistributedContext
+    policies: Policies, device_mesh: Optional[DeviceMesh], context: comm.DistributedContext,
+    model_parallel: Optional[ModelParallelMesh],
 ) -> DataParallelRanks:
     """Stage 3's shard and replica groups, from the nodes (zcore.topology)
-    where hpZ, MiCS or qgZ needs to know them, or a mesh was given.
+    where hpZ, MiCS or qgZ needs to know them, or a mesh was given; with a
+    mesh of several parallelisms, its "dp" dimension (zcore.model_parallel).
     Collective: every rank creates the same process groups."""
+    if model_parallel is not None:
+        return DataParallelRanks(model_parallel.data_parallel, model_parallel=model_parallel)
     stage, wire = policies.stage, policies.comm
     hierarchical = stage.replicates_shards or wire.hpz_size > 1 or wire.hierarchical_gather or wire.quantized_gradients
     if device_mesh is None and not hierarchical:
@@ -604,13 +634,15 @@ def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> A
 def _data_loader(
     data: Optional[torch.utils.data.Dataset],
     batch: BatchSizes,
-    context: comm.DistributedContext,
+    data_parallel: RankGroup,
     collate_fn: Optional[Callable],
 ) -> Optional[torch.utils.data.DataLoader]:
+    """Each data-parallel rank its own samples (the ranks of a "dp" group's
+    other dimensions: the same ones)."""
     if data is None:
         return None
     sampler = torch.utils.data.DistributedSampler(
-        data, num_replicas=context.world_size, rank=context.rank
+        data, num_replicas=data_parallel.size, rank=data_parallel.rank
     )
     return torch.utils.data.DataLoader(
         data, batch_size=batch.micro_batch_per_rank, sampler=sampler, collate_fn=collate_fn

@@ -94,6 +94,7 @@ class ParamFetcher:
         swap: Optional[Callable[[int, int], SwapManager]] = None,
         comm_policy: CommPolicy = CommPolicy(),
         topology: Optional[Topology] = None,
+        data_parallel: Optional[RankGroup] = None,
     ) -> None:
         """``modules``: every module with parameters and the groups it needs;
         ``model`` is hooked too, with no groups of its own if it has no
@@ -107,7 +108,8 @@ class ParamFetcher:
         host_bytes)`` opens the
         swap file of NVMe shards, with a host pool of ``host_bytes`` for reads.
         ``shard``: the ranks each group's shards spread over (the world, or
-        a MiCS shard group). ``comm_policy``: all-gathers in int8 (ZeRO++
+        a MiCS shard group); ``data_parallel``: the ranks that must run the
+        same modules (default: the world; zcore.model_parallel's "dp"). ``comm_policy``: all-gathers in int8 (ZeRO++
         qwZ), in two levels (MiCS), and (hpZ) within blocks of ranks from a
         secondary partition: the last two collective, every rank creates
         the groups ``topology`` gives."""
@@ -146,7 +148,7 @@ class ParamFetcher:
         self.gathers = weight_gathers(comm_policy, shard, persistent, topology)
         self._plans = PlanExecutor(
             self.coordinator, groups, self.buffers, self._store, self._sites, shard, check_every_module,
-            self.gathers,
+            self.gathers, data_parallel if data_parallel is not None else RankGroup.world(),
         )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)

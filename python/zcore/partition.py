@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from zcore.model_parallel import local_tensor, point_at
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -33,7 +35,7 @@ class Unit(Protocol):
     whole buffer (FlatUnit), stage 3 only this rank's shard (ShardedGroup)."""
 
     params: list[torch.nn.Parameter]
-    shapes: list[torch.Size]  # the parameters' full shapes
+    shapes: list[torch.Size]  # the parameters' full shapes (a DTensor's: its local slice's)
     pieces: list[Piece]
     numel: int
     padded_numel: int
@@ -74,31 +76,32 @@ class FlatUnit:
         device: torch.device,
     ) -> None:
         self.params = params
-        self.shapes = [p.shape for p in params]
+        local = [local_tensor(p) for p in params]  # a DTensor's slice on this rank (zcore.model_parallel)
+        self.shapes = [t.shape for t in local]
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.offsets = []
         total = 0
-        for p in params:
+        for t in local:
             self.offsets.append(total)
-            total += p.numel()
+            total += t.numel()
         self.numel = total
         self.padded_numel = -(-total // num_shards) * num_shards
         self.shard_numel = self.padded_numel // num_shards
         self.shard_start = shard_index * self.shard_numel
-        dtype = params[0].dtype
+        dtype = local[0].dtype
         self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
-            for p, offset in zip(params, self.offsets):
-                self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            for t, offset in zip(local, self.offsets):
+                self.flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
         self._point_params_at(self.flat)
         self.pieces = pieces_of(
-            self.offsets, [p.numel() for p in params], self.shard_start, self.shard_start + self.shard_numel
+            self.offsets, [t.numel() for t in local], self.shard_start, self.shard_start + self.shard_numel
         )
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
-        for p, offset in zip(self.params, self.offsets):
-            p.data = flat[offset : offset + p.numel()].view(p.shape)
+        for p, offset, shape in zip(self.params, self.offsets, self.shapes):
+            point_at(p, flat[offset : offset + shape.numel()].view(shape))
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Re-store the flat buffer (and the parameter views) in ``dtype``."""
@@ -124,7 +127,7 @@ class FlatUnit:
 
     def param_slice(self, flat: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.offsets[param_index]
-        return flat[offset : offset + self.params[param_index].numel()]
+        return flat[offset : offset + self.shapes[param_index].numel()]
 
 
 # Reductions overlap with backward one unit at a time, so units stay small
@@ -146,11 +149,12 @@ def pack_units(
     current: list[torch.nn.Parameter] = []
     current_numel = 0
     for p in params:
-        if current and current_numel + p.numel() > bucket_numel:
+        numel = local_tensor(p).numel()
+        if current and current_numel + numel > bucket_numel:
             units.append(FlatUnit(current, num_shards, shard_index, device))
             current, current_numel = [], 0
         current.append(p)
-        current_numel += p.numel()
+        current_numel += numel
     if current:
         units.append(FlatUnit(current, num_shards, shard_index, device))
     return units

@@ -66,20 +66,22 @@ class PlanExecutor:
         shard: RankGroup,
         check_every_module: bool,
         gathers: WeightGathers,
+        data_parallel: RankGroup,
     ) -> None:
         """``check_every_module``: ranks agree on every use, not only on the
         uses no trace foresaw (config stage3_rank_agreement_check).
         ``shard``: the ranks each group's shards spread over (the world, or
         a MiCS shard group). ``gathers``: how a group's all-gather goes,
-        over them or (hpZ) within a block of ranks (zcore.secondary_partition)."""
+        over them or (hpZ) within a block of ranks (zcore.secondary_partition).
+        ``data_parallel``: the ranks whose agreement is checked (every
+        data-parallel rank runs the same modules)."""
         self.coordinator = coordinator
         self.buffers = buffers
         self._store = store
         self.shard = shard
         self._slots = [_GroupSlot(g) for g in groups]
         self._sites = sites
-        world = torch.distributed.get_world_size()
-        self._agreement = RankAgreement(groups[0].device) if world > 1 and groups else None
+        self._agreement = RankAgreement(groups[0].device, data_parallel) if data_parallel.size > 1 and groups else None
         self._check_every_module = check_every_module
         self._gathers = gathers
         self._entering: list[int] = []  # groups of the site being entered

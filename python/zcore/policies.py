@@ -18,6 +18,7 @@ from zcore.comm import DistributedContext
 from zcore.config import Config
 from zcore.errors import ConfigError, DiskIOError
 from zcore.swap import SwapManager
+from zcore.topology import RankGroup
 
 
 class Tier(Enum):
@@ -147,7 +148,12 @@ class Policies:
     comm: CommPolicy = CommPolicy()
 
 
-def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
+def policies_from_config(
+    cfg: Config, context: DistributedContext, data_parallel: Optional[RankGroup] = None
+) -> Policies:
+    """``data_parallel``: the ranks ZeRO shards over (default: the world)."""
+    ranks = (context.world_size, context.rank) if data_parallel is None else (data_parallel.size, data_parallel.rank)
+    world, rank = ranks
     zero = cfg.zero_optimization
     param, opt = zero.offload_param, zero.offload_optimizer
     optimizer = Tier(opt.device)
@@ -157,7 +163,7 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
     explicit = {"buffer_count", "buffer_size"} & param.model_fields_set
     return Policies(
         stage=StagePolicy(
-            zero.stage, context.world_size, context.rank, _mics_size(zero.mics_shard_size, context.world_size)
+            zero.stage, world, rank, _mics_size(zero.mics_shard_size, world)
         ),
         offload=OffloadPolicy(
             optimizer=optimizer,
@@ -176,10 +182,10 @@ def policies_from_config(cfg: Config, context: DistributedContext) -> Policies:
         ),
         # Nothing crosses a wire in a world of one: nothing to quantize.
         comm=CommPolicy(
-            quantized_weights=zero.zero_quantized_weights and context.world_size > 1,
-            quantized_gradients=zero.zero_quantized_gradients and context.world_size > 1,
-            hpz_size=_hpz_size(zero.zero_hpz_partition_size, context.world_size),
-            hierarchical_gather=zero.mics_hierarchical_params_gather and context.world_size > 1,
+            quantized_weights=zero.zero_quantized_weights and world > 1,
+            quantized_gradients=zero.zero_quantized_gradients and world > 1,
+            hpz_size=_hpz_size(zero.zero_hpz_partition_size, world),
+            hierarchical_gather=zero.mics_hierarchical_params_gather and world > 1,
         ),
     )
 

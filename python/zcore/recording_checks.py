@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from zcore import comm
 from zcore.errors import InvalidStateError
+from zcore.topology import RankGroup
 
 END_OF_STEP = -1  # signature of "no more uses this step" (crc32 signatures are >= 0)
 
@@ -49,18 +50,19 @@ def signature(groups: list[int]) -> int:
 class RankAgreement:
     """Checks, use by use, that every rank enters the same groups."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ranks: RankGroup) -> None:
         self.device = device  # where the collective's tensor lives (the backend's device)
+        self.ranks = ranks
 
     def check(self, sig: int, describe: Callable[[], str]) -> None:
         """Raises InvalidStateError on every rank when the ranks' ``sig``
         differ; ``describe()`` says what this rank was about to run."""
         both = torch.tensor([sig, -sig], dtype=torch.int64, device=self.device)
-        comm.all_reduce_max(both)
+        comm.all_reduce_max(both, group=self.ranks.group)
         if int(both[0]) == -int(both[1]):
             return
         # Every rank got the same maxima, so every rank is here: safe to gather.
-        running = comm.all_gather_objects(describe())
+        running = comm.all_gather_objects(describe(), group=self.ranks.group)
         listed = "; ".join(f"rank {r}: {what}" for r, what in enumerate(running))
         raise InvalidStateError(
             f"ZeRO-3 ranks diverged: they are about to gather different parameters ({listed}). "

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import GatherBuffers
@@ -37,6 +38,14 @@ class _SavedView(NamedTuple):
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
+
+
+class _SavedDTensorView(NamedTuple):
+    """A DTensor (tensor parallelism) whose local tensor views a gathered buffer."""
+
+    local: _SavedView
+    spec: Any  # the DTensor's placement and global shape
+    requires_grad: bool
 
 
 class UserPacked(NamedTuple):
@@ -79,19 +88,33 @@ class SavedViews:
     def pack(self, t: torch.Tensor) -> Any:
         if id(t) in self._group_of_param:
             return t  # a parameter saved as itself: its .data follows the gathers
-        owner = self._buffers.owner_of(t) if t.layout == torch.strided else None
-        if owner is not None:
-            return _SavedView(owner[0], owner[1], t.shape, t.stride())
+        if isinstance(t, DTensor):  # its values are its local tensor's (zcore.model_parallel)
+            local = self._view_of(t._local_tensor)
+            if local is not None:
+                return _SavedDTensorView(local, t._spec, t.requires_grad)
+        else:
+            view = self._view_of(t)
+            if view is not None:
+                return view
         if self._outer is None:
             return t
         pack, unpack = self._outer
         return UserPacked(pack(t), unpack)
 
+    def _view_of(self, t: torch.Tensor) -> Optional[_SavedView]:
+        owner = self._buffers.owner_of(t) if t.layout == torch.strided else None
+        return None if owner is None else _SavedView(owner[0], owner[1], t.shape, t.stride())
+
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, UserPacked):
             return saved.unpack(saved.packed)
+        if isinstance(saved, _SavedDTensorView):
+            return DTensor(self._rebuilt(saved.local), saved.spec, requires_grad=saved.requires_grad)
         if not isinstance(saved, _SavedView):
             return saved
+        return self._rebuilt(saved)
+
+    def _rebuilt(self, saved: _SavedView) -> torch.Tensor:
         if not self._gathered(saved.group):
             raise InvalidStateError(
                 f"backward needs parameter group {saved.group} (parameters "

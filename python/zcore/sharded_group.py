@@ -23,8 +23,11 @@ from typing import Callable, Optional
 
 import torch
 
+from zcore import comm
 from zcore.errors import InvalidStateError
+from zcore.model_parallel import local_tensor, point_at
 from zcore.partition import Piece, pieces_of
+from zcore.topology import RankGroup
 
 
 class ShardedGroup:
@@ -45,9 +48,10 @@ class ShardedGroup:
         self.index = index  # the coordinator's group id
         self.params = params
         self.trainable = params[0].requires_grad
-        self.shapes = [p.shape for p in params]
+        # A DTensor's: its local slice on this rank (zcore.model_parallel).
+        self.shapes = [local_tensor(p).shape for p in params]
         self._strides = [torch.empty(shape, device="meta").stride() for shape in self.shapes]  # contiguous
-        self.numels = [p.numel() for p in params]
+        self.numels = [shape.numel() for shape in self.shapes]
         self.offsets = []
         total = 0
         for n in self.numels:
@@ -114,11 +118,11 @@ class ShardedGroup:
         """Parameters become views into ``full`` (padded_numel elements)."""
         base = full.storage_offset()
         for p, offset, shape, stride in zip(self.params, self.offsets, self.shapes, self._strides):
-            p.data = full.as_strided(shape, stride, base + offset)  # one op; a slice and a view are two
+            point_at(p, full.as_strided(shape, stride, base + offset))  # one op; a slice and a view are two
 
     def release_params(self) -> None:
         for p in self.params:
-            p.data = self._placeholder
+            point_at(p, self._placeholder)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a group-sized flat tensor."""
@@ -179,14 +183,15 @@ def build_groups(
 def fill_groups(
     plan: GroupPlan,
     groups: list[ShardedGroup],
-    synchronise: bool,
+    synchronise: Optional[RankGroup],
     place: Callable[[ShardedGroup, torch.Tensor], None],
     materialise: Optional[Callable[[str, torch.nn.Module, list[torch.nn.Parameter]], None]] = None,
 ) -> None:
     """Module by module: ``materialise(name, module, owned)`` first gives a
     meta module's owned parameters and buffers their values (zcore.meta_init),
-    then each of its groups takes this rank's shard of them (rank 0's values
-    when ``synchronise``) and ``place(group, values)`` gets that shard, in
+    then each of its groups takes this rank's shard of them (the values of
+    the first rank of ``synchronise``, when given) and ``place(group, values)``
+    gets that shard, in
     the parameters' own dtype, to keep. Full values are dropped group by
     group, so memory holds one module's parameters at a time beyond the
     shards."""
@@ -199,10 +204,10 @@ def fill_groups(
             shard = torch.zeros(group.shard_numel, dtype=params[0].dtype, device=group.device)
             with torch.no_grad():
                 for i, p in enumerate(params):
-                    full = p.detach().to(group.device)
-                    if synchronise:
-                        # Every rank starts from rank 0's weights, as DDP and DeepSpeed do.
-                        torch.distributed.broadcast(full, src=0)
+                    full = local_tensor(p).detach().to(group.device)
+                    if synchronise is not None:
+                        # Every rank starts from the first rank's weights, as DDP and DeepSpeed do.
+                        comm.broadcast_from_rank0([full], synchronise.group)
                     group.copy_shard_of(i, full, shard)
             group.release_params()
             place(group, shard)

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
 from zcore import comm, tracing
 from zcore.background_step import BackgroundStep, StepState
 from zcore.grad_reduction import GradientReducer
+from zcore.gradient_shards import squared_norm_of
+from zcore.model_parallel import ModelParallelMesh, global_squared_norm, replicated_pieces
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
 from zcore.precision import MixedPrecision
@@ -213,12 +216,14 @@ class Publisher(Protocol):
 class GatherUnits:
     """Stages 1 and 2: every rank's updated shards into every rank's units."""
 
-    def __init__(self, units: list[FlatUnit]) -> None:
+    def __init__(self, units: list[FlatUnit], group: Optional[dist.ProcessGroup] = None) -> None:
+        """``group``: the data-parallel ranks (None: the world)."""
         self.units = units
+        self.group = group
 
     def publish(self) -> None:
         works = [
-            comm.all_gather_into(unit.flat, unit.local_shard.clone(), async_op=True)
+            comm.all_gather_into(unit.flat, unit.local_shard.clone(), async_op=True, group=self.group)
             for unit in self.units
         ]
         comm.wait_all(works)
@@ -246,7 +251,10 @@ class ShardedOptimizer:
         shard: RankGroup,
         publisher: Publisher,
         group_params: list[list[torch.nn.Parameter]],
+        model_parallel: Optional[ModelParallelMesh] = None,
     ) -> None:
+        """``model_parallel``: the mesh zcore shards the "dp" dimension of,
+        for the norm over all of it (zcore.model_parallel)."""
         self.inner = inner
         self.master = master
         self.reducer = reducer
@@ -260,6 +268,8 @@ class ShardedOptimizer:
         # The model parameters of each of the user's groups (the inner
         # optimizer sees only this rank's pieces of them).
         self.group_params = group_params
+        self.model_parallel = model_parallel
+        self._replicated = replicated_pieces(self.units) if model_parallel is not None else []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -340,6 +350,11 @@ class ShardedOptimizer:
         squares = self.reducer.squared_norm()
         if self.units:  # the collective runs on the units' device: NCCL has no CPU tensors
             squares = squares.to(self.units[0].device)
+        if self.model_parallel is not None:
+            pieces = [self.reducer.grad_shard(u)[start : start + n] for u, start, n in self._replicated]
+            replicated = squared_norm_of(pieces).to(squares.device)
+            squares = global_squared_norm(squares, replicated, self.reducer.sharded, self.model_parallel)
+            return math.sqrt(squares.item()) * inv_scale
         # Stage 0 reduces whole gradients: every rank already has the total
         # (or, on a step where the optimizer averages itself, its own norm).
         if self.reducer.sharded and self.shard.size > 1:

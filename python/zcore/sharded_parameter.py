@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zcore.errors import InvalidStateError
@@ -51,6 +52,8 @@ def mark_sharded(groups: Iterable[ShardedGroup]) -> None:
     parameter (torch.utils.swap_tensors) replaces its class."""
     for group in groups:
         for param, numel in zip(group.params, group.numels):
+            if isinstance(param, DTensor):  # counts its whole elements already
+                continue
             if not isinstance(param, ShardedParameter):
                 param.__class__ = ShardedParameter
             _WHOLE_NUMEL[param] = numel

@@ -4,7 +4,8 @@ Streams tensor by tensor: each tensor is assembled from the ranges the
 ranks saved, cast, written to the output, and dropped before the next, so
 memory stays near twice the largest tensor however large the model. The
 output is what ``model.state_dict()`` of the original model holds (tied
-parameters under each of their names), as safetensors files split at a
+parameters under each of their names; a tensor-parallel parameter whole,
+its parts joined), as safetensors files split at a
 maximum size with a ``model.safetensors.index.json`` when there are several.
 """
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from zcore.checkpoint.layout import tensor_infos
+from zcore.checkpoint.layout import TensorInfo, tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec, plan_files
@@ -60,8 +61,7 @@ def consolidate(
         for name, file_specs in zip(names, files):
             with TensorFileWriter(out / name, file_specs) as writer:
                 for spec in file_specs:
-                    info = infos[keys[spec.name]]
-                    value = saved.read(keys[spec.name], 0, info.numel).view(info.shape)
+                    value = _whole(saved, infos, keys[spec.name])
                     writer.write(value.to(spec.dtype))
                     del value
                     bar.update(spec.nbytes)
@@ -71,3 +71,12 @@ def consolidate(
         write_index(out, names, files)
         written.append(out / INDEX)
     return written
+
+
+def _whole(saved: SavedRanges, infos: dict[str, TensorInfo], name: str) -> torch.Tensor:
+    """Tensor ``name``'s saved value, its tensor-parallel parts joined."""
+    info = infos[name]
+    if info.parts is None:
+        return saved.read(name, 0, info.numel).view(info.shape)
+    dim, parts = info.parts
+    return torch.cat([saved.read(p, 0, infos[p].numel).view(infos[p].shape) for p in parts], dim=dim)

@@ -14,10 +14,22 @@ import torch
 import torch.distributed as dist
 
 from zcore.checkpoint.layout import EngineLayout, engine_layout
+from zcore.errors import InvalidStateError
 from zcore.swapped_optimizer import SwappedMaster
 
 
+def refuse_model_parallel(engine: Any, what: str) -> None:
+    """Whole tensors are gathered over the world as the data-parallel
+    ranks; tensor-parallel parts and other pipeline stages would need more."""
+    if engine.ranks.model_parallel is not None:
+        raise InvalidStateError(
+            f"{what} does not support a device_mesh of \"dp\" with \"tp\" or \"pp\" yet; save a checkpoint "
+            "(engine.save_checkpoint) and turn it into one state dict with `zcore consolidate`"
+        )
+
+
 def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    refuse_model_parallel(engine, "engine.full_state_dict()")
     layout = engine_layout(engine)
     values = dict(full_state_tensors(engine, layout, dtype))
     if engine.context.rank != 0:

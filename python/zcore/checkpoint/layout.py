@@ -8,6 +8,12 @@ on this rank, with a view of where it lives: a piece of an fp32 master shard
 (trained parameters), a piece of a frozen ZeRO-3 group's shard, or a whole
 frozen parameter or buffer (stages 0-2, buffers in every stage). Ranges on
 NVMe have a meta tensor instead of a view (zcore.checkpoint.slot_values).
+
+Under tensor parallelism (zcore.model_parallel) a parameter sharded over
+"tp" is stored as parts, one tensor per tp rank named ``NAME@tpK`` (its
+slice, ranged over the data-parallel ranks as any tensor), and ``NAME``'s
+record says which parts join along which dimension; a parameter every tp
+rank holds whole is stored once, by the first tp rank.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Any, Optional
 
 import torch
 
+from zcore import comm
+from zcore.errors import CheckpointError
+from zcore.model_parallel import local_tensor, tp_split
 from zcore.sharded_group import ShardedGroup
 
 TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"
@@ -28,6 +37,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype  # as stored: fp32 master for trained parameters
     role: str
+    # Tensor parallelism: (dimension, part names) the tensor joins from; its
+    # values are stored under the parts only.
+    parts: Optional[tuple[int, tuple[str, ...]]] = None
 
     @property
     def numel(self) -> int:
@@ -59,32 +71,56 @@ class EngineLayout:
     slots: list[Slot] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # optimizer groups, by parameter name
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its first name
+    # id(parameter) -> the tensor its values on this rank are stored as (a
+    # tensor-parallel part); absent: its name.
+    stored: dict[int, str] = field(default_factory=dict)
 
     def slots_of(self, role: str) -> list[Slot]:
         return [s for s in self.slots if self.tensors[s.name].role == role]
 
 
 def engine_layout(engine: Any) -> EngineLayout:
-    module, optimizer, rank = engine.module, engine.optimizer, engine.context.rank
+    module, optimizer = engine.module, engine.optimizer
     # MiCS: ranks of other shard groups hold the same shards; the first group's write them.
     writes_shards = engine.ranks.writes_shards
+    mesh = engine.ranks.model_parallel
+    first_dp = engine.ranks.data_parallel.rank == 0
+    first_tp = mesh is None or mesh.tp_rank == 0
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
     layout = EngineLayout(names=names)
     infos: dict[str, TensorInfo] = {}
 
+    def describe_param(p: torch.nn.Parameter, shape: tuple[int, ...], dtype: torch.dtype, role: str) -> str:
+        """Records ``p``'s tensor of ``shape`` (its values here; ZeRO-3's
+        parameter holds a placeholder), and a DTensor's parts; returns the
+        name its values here are stored as."""
+        name, split = names[id(p)], tp_split(p)
+        if split is None:
+            infos[name] = TensorInfo(shape, dtype, role)
+            return name
+        parts = tuple(f"{name}@tp{k}" for k in range(split.count))
+        infos[name] = TensorInfo(tuple(p.shape), dtype, role, (split.dim, parts))
+        for part, shape in zip(parts, split.part_shapes(tuple(p.shape))):
+            infos[part] = TensorInfo(shape, dtype, role)
+        layout.stored[id(p)] = parts[split.index]
+        return parts[split.index]
+
+    def saves_whole(p: torch.nn.Parameter) -> bool:
+        """Whether this rank writes a value every data-parallel rank holds whole."""
+        return first_dp and (first_tp or tp_split(p) is not None)
+
     # An engine without an optimizer (inference) holds trained parameters as
     # frozen ones are held: in the compute dtype, in their groups or modules.
     units = optimizer.units if optimizer is not None else []
     for unit, pieces in zip(units, optimizer.master.pieces if optimizer is not None else []):
         replicated = unit.shard_numel == unit.padded_numel
-        for i, p in enumerate(unit.params):
-            infos[names[id(p)]] = TensorInfo(tuple(unit.shapes[i]), torch.float32, TRAINED)
+        stored = [describe_param(p, tuple(shape), torch.float32, TRAINED) for p, shape in zip(unit.params, unit.shapes)]
         for meta, piece in zip(unit.pieces, pieces):
-            name = names[id(unit.params[meta.param_index])]
-            saves = writes_shards if not replicated else rank == 0
-            layout.slots.append(Slot(name, meta.param_start, piece.detach(), saves, piece))
+            p = unit.params[meta.param_index]
+            saves = writes_shards and (first_tp or tp_split(p) is not None) if not replicated else saves_whole(p)
+            layout.slots.append(Slot(stored[meta.param_index], meta.param_start, piece.detach(), saves, piece))
 
     in_units = {id(p) for unit in units for p in unit.params}
     if engine.policies.stage.shards_parameters:
@@ -94,9 +130,8 @@ def engine_layout(engine: Any) -> EngineLayout:
     else:
         for p in module.parameters():
             if id(p) not in in_units:
-                name = names[id(p)]
-                infos[name] = TensorInfo(tuple(p.shape), p.dtype, FROZEN)
-                layout.slots.append(Slot(name, 0, p.data.view(-1), rank == 0))
+                name = describe_param(p, tuple(local_tensor(p).shape), p.dtype, FROZEN)
+                layout.slots.append(Slot(name, 0, local_tensor(p).data.view(-1), saves_whole(p)))
 
     buffer_names: dict[int, str] = {}
     for key, t in module.state_dict(keep_vars=True).items():
@@ -105,11 +140,46 @@ def engine_layout(engine: Any) -> EngineLayout:
             name = buffer_names.setdefault(id(t), key)
             if name == key:
                 infos[key] = TensorInfo(tuple(t.shape), t.dtype, BUFFER)
-                layout.slots.append(Slot(key, 0, t.data.view(-1), rank == 0))
+                layout.slots.append(Slot(key, 0, t.data.view(-1), first_dp and first_tp))
         layout.keys[key] = name
-    layout.tensors = {name: infos[name] for name in dict.fromkeys(layout.keys.values())}
+    layout.tensors = {}
+    for name in dict.fromkeys(layout.keys.values()):
+        layout.tensors[name] = infos[name]
+        for part in infos[name].parts[1] if infos[name].parts else ():
+            layout.tensors[part] = infos[part]
     layout.groups = [[names[id(p)] for p in params] for params in optimizer.group_params] if optimizer else []
     return layout
+
+
+def whole_model_layout(engine: Any, layout: EngineLayout) -> EngineLayout:
+    """Under pipeline parallelism (zcore.pipelining), ``layout`` with the
+    tensors, state-dict keys and optimizer groups of every stage, which
+    meta.json records (collective: every rank calls it); otherwise
+    ``layout``. Stages must name their tensors apart, as the whole model
+    does."""
+    mesh = engine.ranks.model_parallel
+    if mesh is None or not mesh.pipelined:
+        return layout
+    stage = mesh.mesh["pp"].get_local_rank()
+    everyone = comm.all_gather_objects((stage, layout.tensors, layout.keys, layout.groups))
+    merged = EngineLayout(slots=layout.slots, names=layout.names, stored=layout.stored)
+    owner: dict[str, int] = {}
+    for theirs, tensors, keys, groups in sorted(everyone, key=lambda e: e[0]):
+        for name, info in tensors.items():
+            if owner.setdefault(name, theirs) != theirs:
+                raise CheckpointError(
+                    f"pipeline stages {owner[name]} and {theirs} both hold a tensor named {name!r}: a checkpoint "
+                    "names each tensor once for the whole model. Name each stage's parameters and buffers "
+                    "as the whole model does (split it with torch.distributed.pipelining, or delete the "
+                    "other stages' layers from a copy of the model)"
+                )
+            merged.tensors[name] = info
+        merged.keys.update(keys)
+        for i, group in enumerate(groups):
+            if i == len(merged.groups):
+                merged.groups.append([])
+            merged.groups[i].extend(n for n in group if n not in merged.groups[i])
+    return merged
 
 
 def _add_frozen_group(
@@ -127,12 +197,23 @@ def _add_frozen_group(
 
 
 def describe(tensors: dict[str, TensorInfo]) -> dict[str, dict]:
-    return {
-        name: {"shape": list(info.shape), "dtype": str(info.dtype).removeprefix("torch."), "role": info.role}
-        for name, info in tensors.items()
-    }
+    described = {}
+    for name, info in tensors.items():
+        record: dict[str, Any] = {
+            "shape": list(info.shape), "dtype": str(info.dtype).removeprefix("torch."), "role": info.role
+        }
+        if info.parts is not None:
+            record["parts"] = {"dim": info.parts[0], "names": list(info.parts[1])}
+        described[name] = record
+    return described
 
 
 def tensor_infos(described: dict[str, Any]) -> dict[str, TensorInfo]:
     """From validated records (zcore.checkpoint.schema.TensorRecord)."""
-    return {name: TensorInfo(tuple(v.shape), getattr(torch, v.dtype), v.role) for name, v in described.items()}
+    return {
+        name: TensorInfo(
+            tuple(v.shape), getattr(torch, v.dtype), v.role,
+            None if v.parts is None else (v.parts.dim, tuple(v.parts.names)),
+        )
+        for name, v in described.items()
+    }

@@ -23,7 +23,7 @@ from zcore import comm
 from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, schema, training_state
 from zcore.checkpoint.files import shown
-from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos
+from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos, whole_model_layout
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
@@ -138,11 +138,13 @@ def load_checkpoint(
         training=not load_module_only,
     )
     directory.check_same_tag(tag, f"loading a checkpoint from {load_dir}")
+    layout = engine_layout(engine)
+    whole = whole_model_layout(engine, layout)  # collective: before anything that may fail on one rank
     tag_dir, staged, failure = None, None, None
     try:
         tag_dir = resolve(load_dir, tag)
         if tag_dir is not None:
-            staged = _stage(engine, tag_dir, options)
+            staged = _stage(engine, tag_dir, options, layout, whole)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
         failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
             f"loading checkpoint from {load_dir} failed: {type(exc).__name__}: {str(exc)[:500]}"
@@ -169,12 +171,12 @@ def load_checkpoint(
     return tag_dir, staged.client_state
 
 
-def _stage(engine: Any, tag_dir: Path, options: _Options) -> Staged:
-    layout = engine_layout(engine)
+def _stage(engine: Any, tag_dir: Path, options: _Options, layout: EngineLayout, whole: EngineLayout) -> Staged:
+    """``whole``: ``layout`` with every pipeline stage's tensors, to check the model by."""
     meta = read_meta(tag_dir)
-    _check_model(layout, meta, tag_dir)
+    _check_model(whole, meta, tag_dir)
     if options.optimizer:
-        _check_optimizer(engine, layout, meta, tag_dir)
+        _check_optimizer(engine, whole, meta, tag_dir)
     indexes = read_indexes(tag_dir, meta)
     staged = Staged(meta, layout)
     try:
@@ -360,6 +362,7 @@ def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, 
 def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
     saved = tensor_infos(meta.tensors)
     current = layout.tensors
+    _check_tensor_parallel(saved, current, tag_dir)
     missing = [n for n in current if n not in saved]
     unexpected = [n for n in saved if n not in current]
     reshaped = [f"{n}: saved {list(saved[n].shape)}, model {list(current[n].shape)}"
@@ -376,6 +379,26 @@ def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
             + ". Load it into the model it was saved from (or pass load_module_only with a matching model)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )
+
+
+def _check_tensor_parallel(saved: dict, current: dict, tag_dir: Path) -> None:
+    """A tensor cut into parts over another number of tp ranks than this
+    engine's (or cut on one side only) cannot be read part by part."""
+    for name, info in current.items():
+        theirs = saved.get(name)
+        if theirs is None or theirs.parts == info.parts:
+            continue
+        count = len(theirs.parts[1]) if theirs.parts else 1
+        ours = len(info.parts[1]) if info.parts else 1
+        if count != ours or theirs.parts[0] != info.parts[0]:
+            raise CheckpointMismatchError(
+                f"checkpoint {tag_dir} stores {name} cut over {count} tensor-parallel rank(s)"
+                f"{f' along dimension {theirs.parts[0]}' if theirs.parts else ''}; this engine cuts it over "
+                f"{ours}{f' along dimension {info.parts[0]}' if info.parts else ''}. A checkpoint reloads at "
+                "any data-parallel size but only at the tensor-parallel layout it was saved with: load it "
+                "with that \"tp\" size, or turn it into one state dict with `zcore consolidate` and load "
+                "that into the model before zcore.initialize"
+            )
 
 
 def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Path) -> None:

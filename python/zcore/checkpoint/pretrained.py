@@ -32,7 +32,7 @@ from tqdm import tqdm
 from zcore import comm
 from zcore.checkpoint import durable
 from zcore.checkpoint.files import read_small, size_in_bytes
-from zcore.checkpoint.full_state import full_state_tensors, tensor_order
+from zcore.checkpoint.full_state import full_state_tensors, refuse_model_parallel, tensor_order
 from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
 from zcore.checkpoint.load import Staged, commit, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
@@ -62,6 +62,7 @@ def save_pretrained(
     has done its part, so a save that fails (a full disk, a rank's NVMe
     error) leaves the directory's earlier weights as they were."""
     engine._refuse_if_broken()
+    refuse_model_parallel(engine, "zcore.save_pretrained")
     engine._finish_step()
     shard_bytes = size_in_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     layout = engine_layout(engine)
@@ -176,6 +177,7 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
     ``load_state_dict`` does; with ``strict`` either is an error, and
     without it a tensor missing from the files keeps its current values."""
     engine._refuse_if_broken()
+    refuse_model_parallel(engine, "zcore.load_pretrained")
     engine._finish_step()
     layout = engine_layout(engine)
     values = SlotValues(engine)

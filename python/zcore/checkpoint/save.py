@@ -24,7 +24,7 @@ import torch
 from zcore import comm
 from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, training_state
-from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout
+from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout, whole_model_layout
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
 from zcore.errors import CheckpointError, DiskIOError
@@ -44,6 +44,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     directory.check_same_tag(tag, f"saving a checkpoint in {save_dir}")
     tag = directory.check_tag(tag)
     client = training_state.encode_client_state(client_state)
+    layout = engine_layout(engine)
+    whole = whole_model_layout(engine, layout)  # before the directory: a refusal leaves nothing
     root = Path(save_dir)
     rank = engine.context.rank
     staging = directory.staging_dir(root, tag)
@@ -59,7 +61,6 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
             failure = CheckpointError(f"cannot create checkpoint directory {staging}: {exc.strerror}")
     comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError)
 
-    layout = engine_layout(engine)
     index_checksum = None
     try:
         index_checksum = _write_rank(engine, layout, staging, tag, client[1])
@@ -70,7 +71,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
 
     if rank == 0:
         try:
-            durable.write_json(staging / directory.META, _meta(engine, layout, tag, checksums, client[0]))
+            durable.write_json(staging / directory.META, _meta(engine, whole, tag, checksums, client[0]))
             durable.replace_dir(staging, root / tag)
             durable.write_bytes(root / directory.LATEST, tag.encode())
         except BaseException as exc:  # noqa: BLE001

@@ -64,10 +64,18 @@ def _numel(shape: list[int]) -> int:
 
 
 # meta.json
+class PartsRecord(Record):
+    """A tensor-parallel tensor: stored as parts joined along ``dim``."""
+
+    dim: Annotated[StrictInt, Field(ge=0, le=15)]
+    names: Annotated[list[TensorName], Field(min_length=1, max_length=1 << 16)]
+
+
 class TensorRecord(Record):
     shape: Shape
     dtype: DtypeName
     role: Literal["trained", "frozen", "buffer"]
+    parts: Optional[PartsRecord] = None
 
     @model_validator(mode="after")
     def _bounded(self) -> TensorRecord:
@@ -146,6 +154,9 @@ class Meta(Record):
         unknown = sorted(set(self.keys.values()) - set(self.tensors))
         if unknown:
             raise ValueError(f"keys name tensors that tensors lacks: {unknown[:3]}")
+        for name, record in self.tensors.items():
+            if record.parts is not None:
+                _check_parts(name, record, self.tensors)
         trained = [n for g in self.optimizer.groups for n in g]
         wrong = [n for n in trained if self.tensors.get(n, None) is None or self.tensors[n].role != "trained"]
         if wrong or len(set(trained)) != len(trained):
@@ -291,6 +302,26 @@ def validated(model: type[Record], content: Any, path: Path) -> Any:
         raise invalid(path, _path(first["loc"]), f"{first['msg']} (got {shown(first.get('input'))})") from None
     except RecursionError:
         raise invalid(path, "(top level)", "nested too deeply") from None
+
+
+def _check_parts(name: str, record: TensorRecord, tensors: dict[str, TensorRecord]) -> None:
+    """The parts exist, are plain tensors of the same dtype and role, and
+    join along ``dim`` into the tensor's shape."""
+    dim, parts = record.parts.dim, record.parts.names
+    if dim >= len(record.shape):
+        raise ValueError(f"{name}'s parts join along dimension {dim} of a {len(record.shape)}-d tensor")
+    joined = 0
+    for part in parts:
+        info = tensors.get(part)
+        if info is None or info.parts is not None or (info.dtype, info.role) != (record.dtype, record.role):
+            raise ValueError(f"{name}'s part {part} is not a tensor of its dtype and role")
+        if len(info.shape) != len(record.shape) or (
+            info.shape[:dim] + info.shape[dim + 1 :] != record.shape[:dim] + record.shape[dim + 1 :]
+        ):
+            raise ValueError(f"{name}'s part {part} has shape {info.shape}, which does not join into {record.shape}")
+        joined += info.shape[dim]
+    if joined != record.shape[dim] or len(set(parts)) != len(parts):
+        raise ValueError(f"{name}'s parts join into {joined} along dimension {dim}, not {record.shape[dim]}")
 
 
 def check_index(index: RankIndex, position: int, meta: Meta, path: Path) -> None:

@@ -1,0 +1,101 @@
+"""zcore under torch's pipeline parallelism (``torch.distributed.pipelining``).
+
+Each rank of a mesh's ``"pp"`` dimension holds one stage of the model, and
+zcore shards that stage over the mesh's ``"dp"`` dimension
+(zcore.model_parallel). ``PipelineStage(engine, stage_index, num_stages)``
+is torch's stage over the engine: give it to any of torch's single-stage
+schedules (``ScheduleGPipe``, ``Schedule1F1B``) built with
+``n_microbatches`` equal to the config's ``gradient_accumulation_steps``
+and torch's default ``scale_grads=True``. One ``schedule.step(...)`` is
+then one training step, as DeepSpeed's ``train_batch()``: each
+micro-batch's forward runs through the engine, each backward is one of the
+engine's micro-steps (its loss scaled by the fp16 loss scale over the
+accumulation steps, on the last stage, as ``engine.backward`` would), and
+once every backward of the schedule is done and its gradients sent, the
+optimizer steps.
+
+What each ZeRO stage costs under micro-batching, per step of m micro-batches:
+stage 1 reduces each unit's gradients once (during the last backward) and
+gathers the updated shards once; stage 2 reduce-scatters every
+micro-batch's gradients (m reduce-scatters) to hold only the shard; stage 3
+also all-gathers each group's parameters for every micro-batch's forward
+and backward (2m all-gathers), unless the live budget lets them stay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+from zcore.errors import ConfigError, InvalidStateError
+from zcore.model_parallel import PIPELINE_PARALLEL
+
+
+class PipelineStage(TorchPipelineStage):
+    """torch's PipelineStage over a zcore engine built with a mesh that has
+    a ``"pp"`` dimension; ``kwargs``: torch's (``input_args``, ...)."""
+
+    def __init__(self, engine: Any, stage_index: int, num_stages: int, **kwargs: Any) -> None:
+        mesh = engine.ranks.model_parallel
+        if mesh is None or PIPELINE_PARALLEL not in mesh.mesh.mesh_dim_names:
+            raise ConfigError(
+                "zcore.pipelining.PipelineStage needs an engine built with a device_mesh that has a "
+                "\"pp\" dimension (and \"dp\"): pass zcore.initialize(..., device_mesh=mesh)"
+            )
+        pp = mesh.mesh[PIPELINE_PARALLEL]
+        if num_stages != pp.size() or stage_index != pp.get_local_rank():
+            raise ConfigError(
+                f"stage {stage_index} of {num_stages} on this rank, but the mesh's \"pp\" dimension has "
+                f"{pp.size()} ranks and this rank is its {pp.get_local_rank()}: one stage per rank, in mesh order"
+            )
+        super().__init__(engine.module, stage_index, num_stages, engine.context.device, group=pp.get_group(), **kwargs)
+        self.engine = engine
+
+    def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+        """Before the schedule's first exchange, on every stage alike, so that
+        a refusal here leaves no stage waiting for another."""
+        gas = self.engine.gradient_accumulation_steps()
+        if num_microbatches != gas:
+            raise ConfigError(
+                f"the schedule runs {num_microbatches} micro-batches per step but gradient_accumulation_steps "
+                f"is {gas}: one zcore micro-step per micro-batch, so set them equal"
+            )
+        return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type != "full":
+            raise InvalidStateError(
+                f"a {backward_type}-only backward: zcore reduces a parameter's gradient once it is whole, so "
+                "schedules that split backward into input and weight parts (zero-bubble) are not supported; "
+                "use ScheduleGPipe or Schedule1F1B"
+            )
+        torch_backward = super().backward_maybe_with_nosync
+
+        def run(factor: float) -> Any:
+            kwargs = bwd_kwargs
+            if self.is_last and factor != 1.0:  # the loss; earlier stages receive gradients of it scaled
+                kwargs = {**bwd_kwargs, "stage_output": bwd_kwargs["stage_output"] * factor}
+            return torch_backward(backward_type, kwargs, last_backward=last_backward)
+
+        result = self.engine.pipeline_backward(run, boundary=last_backward)
+        if not last_backward:
+            self.engine.step()  # counts the micro-step; the optimizer steps in perform_reduce_grad
+        return result
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """zcore scaled each micro-batch's loss already (and holds no .grad)."""
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """After the schedule's last backward and sends: the optimizer step."""
+        gas = self.engine.gradient_accumulation_steps()
+        if grad_scale_factor != gas:
+            raise ConfigError(
+                f"the schedule scales gradients by 1/{grad_scale_factor}, but zcore scales each of the "
+                f"{gas} micro-batches' losses by 1/{gas} (a mean over the micro-batches): build the schedule "
+                "with scale_grads=True (torch's default) and a loss_fn that averages"
+            )
+        self.engine.step()
