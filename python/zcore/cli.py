@@ -117,9 +117,19 @@ def estimate(args: argparse.Namespace) -> int:
         print("zcore estimate: --seq-len runs a model's forward; with --params give --activations instead",
               file=sys.stderr)
         return 2
+    split = args.tp * args.pp
+    if split > 1 and args.params is None:
+        print("zcore estimate: --tp and --pp split --params evenly; for a model, estimate the part one rank "
+              "holds (a pipeline stage, a tensor-parallel rank's module) with "
+              "zcore.estimate_memory(module, config, data_parallel_size)", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config if args.config is not None else {})
         model = args.params if args.params is not None else model_from_spec(args.model)
+        if split > 1:
+            model = -(-model // split)
+            print(f"{args.params} parameters split evenly over {args.tp} tensor-parallel x {args.pp} pipeline "
+                  f"ranks: {model} per rank, sharded over {args.world_size} data-parallel ranks\n")
         sample = None
         if args.seq_len is not None:  # token ids, the first input of language models
             micro = config.train_micro_batch_size_per_gpu
@@ -204,6 +214,10 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--config", default=None, help="DeepSpeed-style JSON config (default: none, so fp32): "
                                                      "its keys other than the stage and offload devices are kept")
     plan.add_argument("--world-size", type=at_least(1), default=1, help="data-parallel ranks (default 1)")
+    plan.add_argument("--tp", type=at_least(1), default=1,
+                      help="tensor-parallel ranks that split --params evenly beside the data-parallel ones (default 1)")
+    plan.add_argument("--pp", type=at_least(1), default=1,
+                      help="pipeline stages that split --params evenly beside the data-parallel ones (default 1)")
     plan.add_argument("--device-memory", type=size_argument, help="memory of one device, e.g. 80GiB")
     plan.add_argument("--host-memory", type=size_argument, help="host memory of one node, e.g. 512GiB")
     plan.add_argument("--nvme-memory", type=size_argument, default=None,

@@ -39,6 +39,7 @@ from zcore.gather_buffers import arena_capacity
 from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.grad_reduction import MAX_REDUCES_IN_FLIGHT
 from zcore.host_memory import PAGE_ALIGNMENT
+from zcore.model_parallel import local_tensor
 from zcore.memory_report import TIER_NAMES, CATEGORIES, DEVICE, HOST, NVME, TIERS, MemoryFigures
 from zcore.param_fetcher import coordinator_config, nvme_host_bytes, staging_bytes
 from zcore.param_fetcher import swap_capacity as parameter_swap_capacity
@@ -262,17 +263,23 @@ class ModelCounts:
 
     @staticmethod
     def of_module(model: torch.nn.Module) -> ModelCounts:
+        """A tensor-parallel model's DTensors count this rank's slices: what
+        zcore shards over "dp" (zcore.model_parallel)."""
         params = list(model.parameters())
+
+        def numel(t: torch.Tensor) -> int:
+            return local_tensor(t).numel()
+
         groups = tuple(
-            (tuple(p.numel() for p in kind), kind[0].requires_grad, kind[0].dtype)
+            (tuple(numel(p) for p in kind), kind[0].requires_grad, kind[0].dtype)
             for _, _, kinds in plan_groups(model).owned
             for kind in kinds
         )
         return ModelCounts(
-            trainable=tuple(p.numel() for p in params if p.requires_grad),
-            frozen=tuple((p.numel(), p.dtype) for p in params if not p.requires_grad),
+            trainable=tuple(numel(p) for p in params if p.requires_grad),
+            frozen=tuple((numel(p), p.dtype) for p in params if not p.requires_grad),
             groups=groups,
-            buffers=tuple((b.numel(), b.dtype) for b in model.buffers()),
+            buffers=tuple((numel(b), b.dtype) for b in model.buffers()),
             module=model,
             assumptions=(),
         )

@@ -21,6 +21,7 @@ import torch
 from zcore import _C
 from zcore.compressed_allreduce import padded_numel
 from zcore.gradient_shards import SwappedGradients
+from zcore.model_parallel import local_tensor
 from zcore.optim import CompressedAdam, ZeroOneAdam
 from zcore.partition import Unit
 from zcore.policies import Policies, Tier
@@ -106,6 +107,7 @@ class _Table:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    t = local_tensor(t)  # a DTensor's bytes on this rank (zcore.model_parallel)
     return t.numel() * t.element_size()
 
 

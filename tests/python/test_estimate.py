@@ -269,3 +269,16 @@ def test_the_command_builds_models_on_meta(tmp_path, capsys):
     assert main(["estimate", "--params", "1B", "--device-memory", "8GiB"]) == 2
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "lots"])
+
+
+def test_tensor_and_pipeline_ranks_split_a_count_evenly(capsys):
+    """--tp and --pp: each rank holds 1/(tp x pp) of --params, sharded over
+    the --world-size data-parallel ranks; the figures are those of that share."""
+    assert main(["estimate", "--params", "1B", "--world-size", "2", "--tp", "2", "--pp", "4"]) == 0
+    split = capsys.readouterr().out
+    assert "1000000000 parameters split evenly over 2 tensor-parallel x 4 pipeline ranks: 125000000 per rank" in split
+    assert main(["estimate", "--params", "125M", "--world-size", "2"]) == 0
+    share = capsys.readouterr().out
+    assert split.split("\n\n", 1)[1] == share
+    assert main(["estimate", "--model", "models:TinyGPT", "--tp", "2"]) == 2
+    assert "zcore.estimate_memory(module, config, data_parallel_size)" in capsys.readouterr().err

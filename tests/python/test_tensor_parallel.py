@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import zcore
 from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
+from test_estimate import assert_close
 from training import ON_DEMAND, TIGHT, assert_matches, rows, train_reference, zcore_config
 from zcore.checkpoint.consolidate import consolidate
 from zcore.errors import CheckpointMismatchError, ConfigError, InvalidStateError
@@ -63,9 +64,11 @@ def train(rank: int, world: int, stage: int, gas: int, clip: float, offload: boo
     device_mesh = mesh()
     model = tensor_parallel_gpt(device_mesh)
     config = zcore_config(stage, gas, clip, offload=offload, zero=zero)
+    estimate = zcore.estimate_memory(tensor_parallel_gpt(device_mesh), config, DP, device="cpu")
     engine, *_ = zcore.initialize(model=model, config=config, device_mesh=device_mesh)
     assert engine.train_batch_size() == config["train_batch_size"]
     losses = train_steps(engine, device_mesh, range(STEPS))
+    assert_close(estimate, engine.memory_report(), f"rank {rank}")  # this rank's slices, sharded over dp
     params = whole_params(engine)
     sharded = sorted(name for name, p in engine.module.named_parameters() if isinstance(p, DTensor))
     engine.destroy()
