@@ -37,6 +37,7 @@ from zcore.model_parallel import (
 )
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
+from zcore.pipelining import Tie, tie_parameters
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
@@ -88,6 +89,7 @@ def initialize(
     collate_fn: Optional[Callable] = None,
     meta_init: Optional[MetaInit] = None,
     device_mesh: Optional[DeviceMesh] = None,
+    tied_parameters: Optional[dict[str, torch.nn.Parameter]] = None,
 ) -> tuple[Engine, Optional[ShardedOptimizer], Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -103,7 +105,10 @@ def initialize(
     (zcore.topology); default: nodes of LOCAL_WORLD_SIZE ranks. A mesh
     whose dimensions are named "dp" and "tp" instead composes zcore with
     torch's tensor parallelism: zcore shards over "dp" only, and the model's
-    layers may be DTensors parallelized over "tp" (zcore.model_parallel).
+    layers may be DTensors parallelized over "tp" (zcore.model_parallel),
+    or the model may be one stage of a pipeline over "pp" (zcore.pipelining).
+    ``tied_parameters``: with "pp", a weight several stages hold (a tied
+    embedding and LM head), named with the same key on each stage.
 
     With no optimizer at all (none passed, none configured), the engine is
     for forward passes and generation only (ZeRO-Inference): parameters are
@@ -123,6 +128,11 @@ def initialize(
     if model_parallel is not None:
         refuse_with_model_parallel(cfg, model_parallel)
         check_parameters(model, model_parallel)
+    if tied_parameters and cfg.zero_optimization.stage == 3:
+        raise ConfigError(
+            "tied_parameters with zero_optimization.stage = 3: zcore ties weights across pipeline stages at "
+            "stages 0-2 for now; use one of those"
+        )
     policies = policies_from_config(cfg, context, None if model_parallel is None else model_parallel.data_parallel)
     ranks = _data_parallel_ranks(policies, device_mesh, context, model_parallel)
 
@@ -154,7 +164,8 @@ def initialize(
     else:
         _place_and_synchronise(model, context, ranks.data_parallel)
         groups = collect_param_groups(model, optimizer, model_parameters)
-        units = layouts = _pack(groups, cfg, policies.stage, context.device)
+        alone = frozenset(id(p) for p in (tied_parameters or {}).values())
+        units = layouts = _pack(groups, cfg, policies.stage, context.device, alone)
         master = _master(units, offload, context)
         state_bytes = _optimizer_bytes_on_nvme(master, units)
         with progress_bar("writing optimizer states to NVMe", sum(state_bytes)) as bar:
@@ -193,6 +204,7 @@ def initialize(
         publisher=publisher,
         group_params=[g["params"] for g in groups.groups],
         model_parallel=ranks.model_parallel,
+        ties=_ties(tied_parameters, units, ranks),
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles, ranks)
@@ -490,7 +502,9 @@ def _write_master(
         master.shards[units.index(group)].copy_(values)
 
 
-def _pack(groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.device) -> list[FlatUnit]:
+def _pack(
+    groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.device, alone: frozenset[int]
+) -> list[FlatUnit]:
     zero = cfg.zero_optimization
     num_shards, shard_index = stage.unit_shards
     return pack_units(
@@ -500,6 +514,7 @@ def _pack(groups: ParamGroups, cfg: Config, stage: StagePolicy, device: torch.de
         num_shards,
         shard_index,
         device,
+        alone,
     )
 
 
@@ -616,6 +631,20 @@ def _nodes(ranks: DataParallelRanks) -> Optional[tuple[RankGroup, RankGroup]]:
     if h == 1 or size <= h or size % h:
         return None
     return topology.node_local(), topology.across_nodes_within(size)
+
+
+def _ties(tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], ranks: DataParallelRanks) -> list[Tie]:
+    """Weights tied across pipeline stages (collective over the world when
+    the mesh pipelines: every stage takes part, with ties or without)."""
+    mesh = ranks.model_parallel
+    if mesh is None or not mesh.pipelined:
+        if tied:
+            raise ConfigError(
+                "tied_parameters ties weights across pipeline stages: pass a device_mesh with a \"pp\" dimension, "
+                "or tie the weight in the model itself (one Parameter in both places)"
+            )
+        return []
+    return tie_parameters(tied or {}, units, mesh)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

@@ -141,16 +141,18 @@ def pack_units(
     num_shards: int,
     shard_index: int,
     device: torch.device,
+    alone: frozenset[int] = frozenset(),
 ) -> list[FlatUnit]:
     """Whole parameters, in order, into units of at most ``bucket_numel``
-    (and MAX_UNIT_NUMEL) elements."""
+    (and MAX_UNIT_NUMEL) elements; a parameter whose id is in ``alone`` in
+    a unit of its own (a weight tied across pipeline stages: zcore.pipelining)."""
     bucket_numel = min(bucket_numel, MAX_UNIT_NUMEL)
     units: list[FlatUnit] = []
     current: list[torch.nn.Parameter] = []
     current_numel = 0
     for p in params:
         numel = local_tensor(p).numel()
-        if current and current_numel + numel > bucket_numel:
+        if current and (current_numel + numel > bucket_numel or id(p) in alone or id(current[-1]) in alone):
             units.append(FlatUnit(current, num_shards, shard_index, device))
             current, current_numel = [], 0
         current.append(p)

@@ -6,7 +6,11 @@ zcore shards that stage over the mesh's ``"dp"`` dimension
 is torch's stage over the engine: give it to any of torch's single-stage
 schedules (``ScheduleGPipe``, ``Schedule1F1B``) built with
 ``n_microbatches`` equal to the config's ``gradient_accumulation_steps``
-and torch's default ``scale_grads=True``. One ``schedule.step(...)`` is
+and torch's default ``scale_grads=True``. A weight that several stages
+hold (a tied embedding and LM head) is named on each with one key in
+``zcore.initialize(..., tied_parameters={key: parameter})``: zcore sums its
+gradient over those stages before each step, so the copies stay equal.
+One ``schedule.step(...)`` is
 then one training step, as DeepSpeed's ``train_batch()``: each
 micro-batch's forward runs through the engine, each backward is one of the
 engine's micro-steps (its loss scaled by the fp16 loss scale over the
@@ -24,12 +28,16 @@ and backward (2m all-gathers), unless the live budget lets them stay.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 
+from zcore import comm
 from zcore.errors import ConfigError, InvalidStateError
-from zcore.model_parallel import PIPELINE_PARALLEL
+from zcore.model_parallel import PIPELINE_PARALLEL, ModelParallelMesh
 
 
 class PipelineStage(TorchPipelineStage):
@@ -99,3 +107,52 @@ class PipelineStage(TorchPipelineStage):
                 "with scale_grads=True (torch's default) and a loss_fn that averages"
             )
         self.engine.step()
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A weight that several stages hold (a tied embedding and LM head), in
+    unit ``unit`` of this stage alone: its gradient shards are summed over
+    ``group`` (this dp rank's copies on those stages) before each step, so
+    every copy takes the same update; the first stage holding it counts it
+    in the gradient norm (``counted``)."""
+
+    unit: int
+    group: dist.ProcessGroup
+    counted: bool
+
+
+def tie_parameters(tied: dict[str, torch.nn.Parameter], units: list, mesh: ModelParallelMesh) -> list[Tie]:
+    """This stage's ties, from ``tied`` (key -> this stage's copy; every
+    stage holding a weight names it with the same key). Collective: every
+    rank of the world calls it, with or without ties of its own; ``mesh``
+    pipelines."""
+    stage = mesh.mesh[PIPELINE_PARALLEL].get_local_rank()
+    dp = mesh.data_parallel
+    unit_of = {id(unit.params[0]): u for u, unit in enumerate(units) if len(unit.params) == 1}
+    for key, param in tied.items():
+        if id(param) not in unit_of:
+            raise ConfigError(
+                f"tied_parameters[{key!r}] is not a trained parameter of this stage's model; pass the "
+                "Parameter object the stage's module holds (requires_grad=True)"
+            )
+    everyone = comm.all_gather_objects((dist.get_rank(), stage, dp.rank, sorted(tied)))
+    rank_of = {(s, d): r for r, s, d, _ in everyone}
+    holders: dict[str, list[int]] = {}
+    for _, s, d, keys in everyone:
+        for key in keys:
+            if d == 0:
+                holders.setdefault(key, []).append(s)
+    ties = []
+    for key in sorted(holders):
+        stages = sorted(holders[key])
+        if len(stages) < 2:
+            raise ConfigError(
+                f"tied_parameters[{key!r}] is given on stage {stages[0]} only; give the same key on every stage "
+                "that holds the weight (a tied embedding: the first and the last stage)"
+            )
+        for d in range(dp.size):  # every rank creates every group, in one order
+            group = dist.new_group([rank_of[(s, d)] for s in stages])
+            if d == dp.rank and key in tied:
+                ties.append(Tie(unit_of[id(tied[key])], group, counted=stage == stages[0]))
+    return ties

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from zcore.background_step import BackgroundStep, StepState
 from zcore.grad_reduction import GradientReducer
 from zcore.gradient_shards import squared_norm_of
 from zcore.model_parallel import ModelParallelMesh, global_squared_norm, replicated_pieces
+from zcore.pipelining import Tie
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
 from zcore.precision import MixedPrecision
@@ -252,9 +253,11 @@ class ShardedOptimizer:
         publisher: Publisher,
         group_params: list[list[torch.nn.Parameter]],
         model_parallel: Optional[ModelParallelMesh] = None,
+        ties: Sequence[Tie] = (),
     ) -> None:
         """``model_parallel``: the mesh zcore shards the "dp" dimension of,
-        for the norm over all of it (zcore.model_parallel)."""
+        for the norm over all of it (zcore.model_parallel); ``ties``: units
+        holding a weight tied across pipeline stages (zcore.pipelining)."""
         self.inner = inner
         self.master = master
         self.reducer = reducer
@@ -269,6 +272,7 @@ class ShardedOptimizer:
         # optimizer sees only this rank's pieces of them).
         self.group_params = group_params
         self.model_parallel = model_parallel
+        self.ties = ties
         self._replicated = replicated_pieces(self.units) if model_parallel is not None else []
 
     @property
@@ -285,7 +289,11 @@ class ShardedOptimizer:
 
     def step(self) -> StepResult:
         scaler = self.precision.scaler
-        self.update.attach_grads(self.reducer.used_params())
+        used = self.reducer.used_params()
+        for tie in self.ties:  # every copy of a tied weight takes the sum of their gradients
+            comm.all_reduce_max(used[tie.unit], group=tie.group)
+            comm.all_reduce_sum(self.reducer.grad_shard(tie.unit), group=tie.group)
+        self.update.attach_grads(used)
         inv_scale = 1.0 / scaler.scale
         norm = None
         acts_on_norm = self.gradient_clipping > 0 or scaler.checks_overflow
@@ -353,7 +361,10 @@ class ShardedOptimizer:
         if self.model_parallel is not None:
             pieces = [self.reducer.grad_shard(u)[start : start + n] for u, start, n in self._replicated]
             replicated = squared_norm_of(pieces).to(squares.device)
-            squares = global_squared_norm(squares, replicated, self.reducer.sharded, self.model_parallel)
+            copies = squared_norm_of([self.reducer.grad_shard(t.unit) for t in self.ties if not t.counted])
+            squares = global_squared_norm(
+                squares - copies.to(squares.device), replicated, self.reducer.sharded, self.model_parallel
+            )
             return math.sqrt(squares.item()) * inv_scale
         # Stage 0 reduces whole gradients: every rank already has the total
         # (or, on a step where the optimizer averages itself, its own norm).

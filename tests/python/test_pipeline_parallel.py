@@ -4,12 +4,14 @@ and block 0; block 1, final norm and LM head), each sharded by zcore over
 its dp group, and torch's schedules (1F1B, GPipe) run 2 micro-batches per
 step, one zcore micro-step each.
 
-The GPT's LM head is untied here: torch's pipelining keeps one stage per
-rank, and a weight shared by the first and last stage would need its
-gradients summed across stages, which zcore does not do yet.
+At stages 0-2 the GPT keeps its LM head tied to its token embedding: each
+stage holds a copy (the first its embedding, the last its head), named
+"embedding" in zcore.initialize(tied_parameters=...), and zcore sums the
+copies' gradients before each step. At stage 3, where zcore does not tie
+across stages yet, the head is untied (in the reference too).
 
-The reference is single-process torch AdamW on the whole (untied) model
-over the same global batches: dp rank d's micro-batch m is part m x 2 + d
+The reference is single-process torch AdamW on the whole model (tied as
+the run) over the same global batches: dp rank d's micro-batch m is part m x 2 + d
 of each global batch (tests/python/training.py). Losses at every step and
 the final parameters agree within 1e-5 at ZeRO stages 0-3, with clipping
 (the norm is summed over both stages) at a threshold every step exceeds.
@@ -41,13 +43,14 @@ STEPS = 20
 TOLERANCE = 1e-5
 CLIP = 0.05  # under every step's gradient norm: every step clips
 
-# (label, ZeRO stage, schedule, clipping, more zero_optimization keys)
+# (label, ZeRO stage, schedule, clipping, more zero_optimization keys, LM head tied)
 VARIANTS = [
-    ("stage 0, 1F1B", 0, Schedule1F1B, 0.0, {}),
-    ("stage 1, 1F1B, clipped", 1, Schedule1F1B, CLIP, {}),
-    ("stage 2, GPipe, clipped", 2, ScheduleGPipe, CLIP, {}),
-    ("stage 3, 1F1B, clipped", 3, Schedule1F1B, CLIP, ON_DEMAND),
-    ("stage 3, GPipe, tight budget", 3, ScheduleGPipe, 0.0, TIGHT),
+    ("stage 0, 1F1B, tied", 0, Schedule1F1B, 0.0, {}, True),
+    ("stage 1, 1F1B, clipped, tied", 1, Schedule1F1B, CLIP, {}, True),
+    ("stage 2, GPipe, clipped, tied", 2, ScheduleGPipe, CLIP, {}, True),
+    ("stage 2, 1F1B, untied", 2, Schedule1F1B, 0.0, {}, False),
+    ("stage 3, 1F1B, clipped", 3, Schedule1F1B, CLIP, ON_DEMAND, False),
+    ("stage 3, GPipe, tight budget", 3, ScheduleGPipe, 0.0, TIGHT, False),
 ]
 
 
@@ -80,9 +83,12 @@ class LastStage(nn.Module):
         return self.lm_head(self.ln_f(self.blocks["1"](x)))
 
 
-def stage_module(stage: int) -> nn.Module:
-    gpt = untied_gpt()
-    return FirstStage(gpt) if stage == 0 else LastStage(gpt)
+def stage_module(stage: int, tied: bool = False) -> tuple[nn.Module, dict]:
+    """The stage's module and its tied_parameters (the embedding's copy)."""
+    gpt = make_model("gpt") if tied else untied_gpt()
+    module = FirstStage(gpt) if stage == 0 else LastStage(gpt)
+    copy = module.wte.weight if stage == 0 else module.lm_head.weight
+    return module, ({"embedding": copy} if tied else {})
 
 
 def pipelined_steps(engine, schedule, mesh, steps: range) -> list[float]:
@@ -106,12 +112,15 @@ def pipelined_steps(engine, schedule, mesh, steps: range) -> list[float]:
     return losses
 
 
-def pipelined_engine(zero_stage: int, pp: int, dp: int, schedule_type=Schedule1F1B, clip: float = 0.0, zero=None):
+def pipelined_engine(
+    zero_stage: int, pp: int, dp: int, schedule_type=Schedule1F1B, clip: float = 0.0, zero=None, tied: bool = False
+):
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     stage = mesh["pp"].get_local_rank()
     gas = 8 // (MICRO * dp)
-    engine, *_ = zcore.initialize(model=stage_module(stage), config=zcore_config(zero_stage, gas, clip, zero=zero),
-                                  device_mesh=mesh)
+    module, ties = stage_module(stage, tied)
+    engine, *_ = zcore.initialize(model=module, config=zcore_config(zero_stage, gas, clip, zero=zero),
+                                  device_mesh=mesh, tied_parameters=ties)
     schedule = schedule_type(PipelineStage(engine, stage, pp), n_microbatches=gas, loss_fn=lm_loss)
     return engine, schedule, mesh
 
@@ -121,16 +130,16 @@ def gathered(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def train(rank: int, world: int, zero_stage: int, schedule_type, clip: float, zero: dict) -> dict:
-    engine, schedule, mesh = pipelined_engine(zero_stage, PP, DP, schedule_type, clip, zero)
+def train(rank: int, world: int, zero_stage: int, schedule_type, clip: float, zero: dict, tied: bool) -> dict:
+    engine, schedule, mesh = pipelined_engine(zero_stage, PP, DP, schedule_type, clip, zero, tied)
     losses = pipelined_steps(engine, schedule, mesh, range(STEPS))
     result = {"losses": losses, "params": gathered(engine), "global_steps": engine.global_steps}
     engine.destroy()
     return result
 
 
-def reference(clip: float) -> dict:
-    model = untied_gpt()
+def reference(clip: float, tied: bool) -> dict:
+    model = make_model("gpt") if tied else untied_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(STEPS):
@@ -149,10 +158,12 @@ def reference(clip: float) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("label, zero_stage, schedule_type, clip, zero", VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_dp_x_pp_matches_single_process_adamw(label, zero_stage, schedule_type, clip, zero):
-    results = run_ranks(train, WORLD, zero_stage, schedule_type, clip, zero, timeout=240)
-    ref = reference(clip)
+@pytest.mark.parametrize("label, zero_stage, schedule_type, clip, zero, tied", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_dp_x_pp_matches_single_process_adamw(label, zero_stage, schedule_type, clip, zero, tied):
+    results = run_ranks(train, WORLD, zero_stage, schedule_type, clip, zero, tied, timeout=240)
+    ref = reference(clip, tied)
+    if tied:  # the whole model names the weight once; the last stage's copy must equal it too
+        ref["params"]["lm_head.weight"] = ref["params"]["wte.weight"]
     params = {}
     for rank, got in enumerate(results):
         assert got["global_steps"] == STEPS, f"{label}, rank {rank}"
@@ -252,10 +263,30 @@ def test_stages_naming_a_tensor_alike_cannot_save(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
+def tie_refusals(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    refused = {}
+    for label, zero_stage, on in (("stage 3", 3, (0, 1)), ("one stage", 1, (0,))):
+        module, ties = stage_module(stage, tied=True)
+        try:
+            zcore.initialize(model=module, config=zcore_config(zero_stage, GAS, 0.0), device_mesh=mesh,
+                             tied_parameters=ties if stage in on else {})
+        except ConfigError as exc:
+            refused[label] = str(exc)
+    return refused
+
+
+def test_ties_zcore_cannot_honour_are_refused():
+    for refused in run_ranks(tie_refusals, WORLD, timeout=120):
+        assert "tied_parameters with zero_optimization.stage = 3" in refused["stage 3"]
+        assert "tied_parameters['embedding'] is given on stage 0 only" in refused["one stage"]
+
+
 def mismatched(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     stage = mesh["pp"].get_local_rank()
-    engine, *_ = zcore.initialize(model=stage_module(stage), config=zcore_config(1, GAS, 0.0), device_mesh=mesh)
+    engine, *_ = zcore.initialize(model=stage_module(stage)[0], config=zcore_config(1, GAS, 0.0), device_mesh=mesh)
     schedule = Schedule1F1B(PipelineStage(engine, stage, PP), n_microbatches=2 * GAS, loss_fn=lm_loss)
     try:
         pipelined_steps(engine, schedule, mesh, range(1))
