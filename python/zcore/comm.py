@@ -191,7 +191,14 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> l
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> None:
     """``tensors`` from the first rank of ``group`` (None: the world)."""
     for t in tensors:
-        dist.broadcast(t, group_src=0, group=group)
+        broadcast_from(t, 0, group)
+
+
+def broadcast_from(tensor: torch.Tensor, position: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """``tensor`` from the rank at ``position`` in ``group`` (None: the
+    world); torch before 2.6 takes a global source rank only."""
+    src = position if group is None else dist.get_global_rank(group, position)
+    dist.broadcast(tensor, src=src, group=group)
 
 
 def wait_all(works: list[Optional[dist.Work]]) -> None:

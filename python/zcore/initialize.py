@@ -13,7 +13,7 @@ import functools
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +37,6 @@ from zcore.model_parallel import (
 )
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
 from zcore.param_fetcher import ParamFetcher, coordinator_config
-from zcore.pipelining import Tie, tie_parameters
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tier, policies_from_config
 from zcore.partition import FlatUnit, Unit, pack_units
@@ -71,6 +70,9 @@ from zcore.swapped_optimizer import (
     sub_group_elements,
     swap_capacity,
 )
+
+if TYPE_CHECKING:
+    from zcore.pipelining import Tie
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
 
@@ -128,11 +130,6 @@ def initialize(
     if model_parallel is not None:
         refuse_with_model_parallel(cfg, model_parallel)
         check_parameters(model, model_parallel)
-    if tied_parameters and cfg.zero_optimization.stage == 3:
-        raise ConfigError(
-            "tied_parameters with zero_optimization.stage = 3: zcore ties weights across pipeline stages at "
-            "stages 0-2 for now; use one of those"
-        )
     policies = policies_from_config(cfg, context, None if model_parallel is None else model_parallel.data_parallel)
     ranks = _data_parallel_ranks(policies, device_mesh, context, model_parallel)
 
@@ -145,6 +142,11 @@ def initialize(
         )
     meta = (meta_init or MetaInit()) if on_meta else None
     if optimizer is None and cfg.optimizer is None:
+        if tied_parameters:
+            raise ConfigError(
+                "tied_parameters ties the updates of a weight across pipeline stages; an engine without an "
+                "optimizer (inference) updates nothing: remove them, or add an optimizer to train"
+            )
         engine = _inference_engine(model, cfg, context, precision, policies, ranks, meta)
         _WRAPPED.add(model)
         return engine, None, _data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), None
@@ -204,7 +206,7 @@ def initialize(
         publisher=publisher,
         group_params=[g["params"] for g in groups.groups],
         model_parallel=ranks.model_parallel,
-        ties=_ties(tied_parameters, units, ranks),
+        ties=_ties(tied_parameters, units, ranks, policies.stage),
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles, ranks)
@@ -633,9 +635,13 @@ def _nodes(ranks: DataParallelRanks) -> Optional[tuple[RankGroup, RankGroup]]:
     return topology.node_local(), topology.across_nodes_within(size)
 
 
-def _ties(tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], ranks: DataParallelRanks) -> list[Tie]:
+def _ties(
+    tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], ranks: DataParallelRanks, stage: StagePolicy
+) -> list[Tie]:
     """Weights tied across pipeline stages (collective over the world when
     the mesh pipelines: every stage takes part, with ties or without)."""
+    from zcore.pipelining import tie_parameters  # torch's pipelining, imported only where it is used
+
     mesh = ranks.model_parallel
     if mesh is None or not mesh.pipelined:
         if tied:
@@ -644,7 +650,7 @@ def _ties(tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], rank
                 "or tie the weight in the model itself (one Parameter in both places)"
             )
         return []
-    return tie_parameters(tied or {}, units, mesh)
+    return tie_parameters(tied or {}, units, mesh, stage.shards_parameters)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

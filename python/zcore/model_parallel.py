@@ -28,7 +28,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch 2.4 keeps DTensor private
+    from torch.distributed._tensor import DTensor, Replicate, Shard
 
 from zcore.config import Config
 from zcore.errors import ConfigError

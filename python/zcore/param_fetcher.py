@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from zcore import _C
+from zcore import _C, comm
 from zcore.external_params import ExternalParameters
 from zcore.errors import ConfigError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
@@ -146,9 +146,10 @@ class ParamFetcher:
         capacity = arena_capacity(groups, persistent, config.max_live_elements, config.prefetch_bucket_elements)
         self.buffers = GatherBuffers(groups, persistent, capacity)
         self.gathers = weight_gathers(comm_policy, shard, persistent, topology)
+        self.data_parallel = data_parallel if data_parallel is not None else RankGroup.world()
         self._plans = PlanExecutor(
             self.coordinator, groups, self.buffers, self._store, self._sites, shard, check_every_module,
-            self.gathers, data_parallel if data_parallel is not None else RankGroup.world(),
+            self.gathers, self.data_parallel,
         )
         self._calls = CallTracker(self._plans, groups)
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)
@@ -374,13 +375,16 @@ class ParamFetcher:
         self._master_writer = writer
 
     def write_back(self, group: int, source_rank: int) -> None:
-        """Every rank takes ``source_rank``'s full values of a gathered group
-        into its shard (and master); the gathered buffer gets them too."""
+        """Every data-parallel rank takes ``source_rank``'s full values of a
+        gathered group into its shard (and master); the gathered buffer gets
+        them too. ``source_rank``: a rank of the world, or with a mesh of
+        several parallelisms (zcore.model_parallel) a position in this
+        rank's "dp" group, whose ranks hold the same slices."""
         self.finish_update()  # the master is written below
         g = self.groups[group]
         full = self.buffers.current(group)
-        if torch.distributed.get_world_size() > 1:
-            torch.distributed.broadcast(full, src=source_rank)
+        if self.data_parallel.size > 1:
+            comm.broadcast_from(full, source_rank, self.data_parallel.group)
         values = g.shard_of(full)
         self.gathers.drop([group])
         self.write_shard(group, values)

@@ -122,27 +122,42 @@ class Tie:
     counted: bool
 
 
-def tie_parameters(tied: dict[str, torch.nn.Parameter], units: list, mesh: ModelParallelMesh) -> list[Tie]:
+def tie_parameters(
+    tied: dict[str, torch.nn.Parameter], units: list, mesh: ModelParallelMesh, stage3: bool
+) -> list[Tie]:
     """This stage's ties, from ``tied`` (key -> this stage's copy; every
     stage holding a weight names it with the same key). Collective: every
-    rank of the world calls it, with or without ties of its own; ``mesh``
-    pipelines."""
+    rank of the world calls it, with or without ties of its own, and what
+    any rank got wrong is raised on every rank (``mesh`` pipelines)."""
     stage = mesh.mesh[PIPELINE_PARALLEL].get_local_rank()
     dp = mesh.data_parallel
     unit_of = {id(unit.params[0]): u for u, unit in enumerate(units) if len(unit.params) == 1}
-    for key, param in tied.items():
-        if id(param) not in unit_of:
-            raise ConfigError(
-                f"tied_parameters[{key!r}] is not a trained parameter of this stage's model; pass the "
-                "Parameter object the stage's module holds (requires_grad=True)"
+    problem = None
+    if tied and stage3:
+        problem = (
+            "tied_parameters with zero_optimization.stage = 3: zcore ties weights across pipeline stages at "
+            "stages 0-2 for now; use one of those"
+        )
+    else:
+        wrong = [key for key, param in tied.items() if id(param) not in unit_of]
+        if wrong:
+            problem = (
+                f"tied_parameters[{wrong[0]!r}] on stage {stage} is not a trained parameter of the stage's "
+                "model; pass the Parameter object the stage's module holds (requires_grad=True)"
             )
-    everyone = comm.all_gather_objects((dist.get_rank(), stage, dp.rank, sorted(tied)))
-    rank_of = {(s, d): r for r, s, d, _ in everyone}
-    holders: dict[str, list[int]] = {}
-    for _, s, d, keys in everyone:
-        for key in keys:
-            if d == 0:
-                holders.setdefault(key, []).append(s)
+    numels = {key: param.numel() for key, param in tied.items()}
+    everyone = comm.all_gather_objects((dist.get_rank(), stage, dp.rank, numels, problem))
+    problems = [p for *_, p in everyone if p is not None]
+    if problems:
+        raise ConfigError(problems[0])
+    rank_of = {(s, d): r for r, s, d, _, _ in everyone}
+    holders: dict[str, dict[int, int]] = {}  # key -> stage -> elements
+    for _, s, d, held, _ in everyone:
+        for key, numel in held.items():
+            holders.setdefault(key, {})
+            if holders[key].setdefault(s, numel) != numel:
+                raise ConfigError(f"tied_parameters[{key!r}] has {numel} elements on one rank of stage {s} and "
+                                  f"{holders[key][s]} on another: every rank of a stage passes the same weights")
     ties = []
     for key in sorted(holders):
         stages = sorted(holders[key])
@@ -150,6 +165,18 @@ def tie_parameters(tied: dict[str, torch.nn.Parameter], units: list, mesh: Model
             raise ConfigError(
                 f"tied_parameters[{key!r}] is given on stage {stages[0]} only; give the same key on every stage "
                 "that holds the weight (a tied embedding: the first and the last stage)"
+            )
+        sizes = {holders[key][s] for s in stages}
+        if len(sizes) > 1:
+            raise ConfigError(
+                f"tied_parameters[{key!r}] names weights of {sorted(sizes)} elements on stages {stages}: a tied "
+                "weight is one shape on every stage"
+            )
+        missing = [(s, d) for s in stages for d in range(dp.size) if key not in everyone[rank_of[(s, d)]][3]]
+        if missing:
+            raise ConfigError(
+                f"tied_parameters[{key!r}] is given on some ranks of stage {missing[0][0]} but not on its dp rank "
+                f"{missing[0][1]}: every rank of a stage passes the same ties"
             )
         for d in range(dp.size):  # every rank creates every group, in one order
             group = dist.new_group([rank_of[(s, d)] for s in stages])

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from zcore.errors import InvalidStateError
+from zcore.model_parallel import DTensor
 from zcore.gather_buffers import GatherBuffers
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,13 @@ from zcore.background_step import BackgroundStep, StepState
 from zcore.grad_reduction import GradientReducer
 from zcore.gradient_shards import squared_norm_of
 from zcore.model_parallel import ModelParallelMesh, global_squared_norm, replicated_pieces
-from zcore.pipelining import Tie
 from zcore.optim import CPUAdam
 from zcore.partition import FlatUnit, Unit
 from zcore.precision import MixedPrecision
 from zcore.topology import RankGroup
+
+if TYPE_CHECKING:
+    from zcore.pipelining import Tie
 
 
 @dataclass(frozen=True)

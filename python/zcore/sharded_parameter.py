@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zcore.errors import InvalidStateError
+from zcore.model_parallel import DTensor
 
 if TYPE_CHECKING:
     from zcore.sharded_group import ShardedGroup

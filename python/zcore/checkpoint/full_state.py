@@ -21,7 +21,8 @@ from zcore.swapped_optimizer import SwappedMaster
 def refuse_model_parallel(engine: Any, what: str) -> None:
     """Whole tensors are gathered over the world as the data-parallel
     ranks; tensor-parallel parts and other pipeline stages would need more."""
-    if engine.ranks.model_parallel is not None:
+    mesh = engine.ranks.model_parallel
+    if mesh is not None and (mesh.tp_size > 1 or mesh.pipelined):
         raise InvalidStateError(
             f"{what} does not support a device_mesh of \"dp\" with \"tp\" or \"pp\" yet; save a checkpoint "
             "(engine.save_checkpoint) and turn it into one state dict with `zcore consolidate`"

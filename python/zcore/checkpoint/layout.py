@@ -71,9 +71,6 @@ class EngineLayout:
     slots: list[Slot] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # optimizer groups, by parameter name
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its first name
-    # id(parameter) -> the tensor its values on this rank are stored as (a
-    # tensor-parallel part); absent: its name.
-    stored: dict[int, str] = field(default_factory=dict)
 
     def slots_of(self, role: str) -> list[Slot]:
         return [s for s in self.slots if self.tensors[s.name].role == role]
@@ -104,7 +101,6 @@ def engine_layout(engine: Any) -> EngineLayout:
         infos[name] = TensorInfo(tuple(p.shape), dtype, role, (split.dim, parts))
         for part, shape in zip(parts, split.part_shapes(tuple(p.shape))):
             infos[part] = TensorInfo(shape, dtype, role)
-        layout.stored[id(p)] = parts[split.index]
         return parts[split.index]
 
     def saves_whole(p: torch.nn.Parameter) -> bool:
@@ -126,7 +122,16 @@ def engine_layout(engine: Any) -> EngineLayout:
     if engine.policies.stage.shards_parameters:
         for group in engine.residency.groups:
             if not group.trainable or optimizer is None:
-                _add_frozen_group(layout, infos, names, group, writes_shards)
+                stored = [describe_param(p, tuple(shape), group.dtype, FROZEN) for p, shape in zip(group.params, group.shapes)]
+                for meta in group.pieces:
+                    p = group.params[meta.param_index]
+                    if group.in_memory:
+                        view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
+                    else:
+                        view = torch.empty(meta.numel, dtype=group.dtype, device="meta")
+                    saves = writes_shards and (first_tp or tp_split(p) is not None)
+                    layout.slots.append(Slot(stored[meta.param_index], meta.param_start, view, saves,
+                                             group=group, shard_start=meta.shard_start))
     else:
         for p in module.parameters():
             if id(p) not in in_units:
@@ -162,7 +167,7 @@ def whole_model_layout(engine: Any, layout: EngineLayout) -> EngineLayout:
         return layout
     stage = mesh.mesh["pp"].get_local_rank()
     everyone = comm.all_gather_objects((stage, layout.tensors, layout.keys, layout.groups))
-    merged = EngineLayout(slots=layout.slots, names=layout.names, stored=layout.stored)
+    merged = EngineLayout(slots=layout.slots, names=layout.names)
     owner: dict[str, int] = {}
     for theirs, tensors, keys, groups in sorted(everyone, key=lambda e: e[0]):
         for name, info in tensors.items():
@@ -180,20 +185,6 @@ def whole_model_layout(engine: Any, layout: EngineLayout) -> EngineLayout:
                 merged.groups.append([])
             merged.groups[i].extend(n for n in group if n not in merged.groups[i])
     return merged
-
-
-def _add_frozen_group(
-    layout: EngineLayout, infos: dict[str, TensorInfo], names: dict[int, str], group: ShardedGroup, saves: bool
-) -> None:
-    for i, p in enumerate(group.params):
-        infos[names[id(p)]] = TensorInfo(tuple(group.shapes[i]), group.dtype, FROZEN)
-    for meta in group.pieces:
-        name = names[id(group.params[meta.param_index])]
-        if group.in_memory:
-            view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
-        else:
-            view = torch.empty(meta.numel, dtype=group.dtype, device="meta")
-        layout.slots.append(Slot(name, meta.param_start, view, saves, group=group, shard_start=meta.shard_start))
 
 
 def describe(tensors: dict[str, TensorInfo]) -> dict[str, dict]:

@@ -390,7 +390,7 @@ def _check_tensor_parallel(saved: dict, current: dict, tag_dir: Path) -> None:
             continue
         count = len(theirs.parts[1]) if theirs.parts else 1
         ours = len(info.parts[1]) if info.parts else 1
-        if count != ours or theirs.parts[0] != info.parts[0]:
+        if (theirs.parts is None) != (info.parts is None) or count != ours or theirs.parts[0] != info.parts[0]:
             raise CheckpointMismatchError(
                 f"checkpoint {tag_dir} stores {name} cut over {count} tensor-parallel rank(s)"
                 f"{f' along dimension {theirs.parts[0]}' if theirs.parts else ''}; this engine cuts it over "
