@@ -103,9 +103,13 @@ def engine_layout(engine: Any) -> EngineLayout:
             infos[part] = TensorInfo(shape, dtype, role)
         return parts[split.index]
 
+    def distinct_over_tp(p: torch.nn.Parameter) -> bool:
+        """Whether this rank's copy is the one its tp ranks write (theirs differ, or it is the first's)."""
+        return first_tp or tp_split(p) is not None
+
     def saves_whole(p: torch.nn.Parameter) -> bool:
         """Whether this rank writes a value every data-parallel rank holds whole."""
-        return first_dp and (first_tp or tp_split(p) is not None)
+        return first_dp and distinct_over_tp(p)
 
     # An engine without an optimizer (inference) holds trained parameters as
     # frozen ones are held: in the compute dtype, in their groups or modules.
@@ -115,7 +119,7 @@ def engine_layout(engine: Any) -> EngineLayout:
         stored = [describe_param(p, tuple(shape), torch.float32, TRAINED) for p, shape in zip(unit.params, unit.shapes)]
         for meta, piece in zip(unit.pieces, pieces):
             p = unit.params[meta.param_index]
-            saves = writes_shards and (first_tp or tp_split(p) is not None) if not replicated else saves_whole(p)
+            saves = writes_shards and distinct_over_tp(p) if not replicated else saves_whole(p)
             layout.slots.append(Slot(stored[meta.param_index], meta.param_start, piece.detach(), saves, piece))
 
     in_units = {id(p) for unit in units for p in unit.params}
@@ -129,7 +133,7 @@ def engine_layout(engine: Any) -> EngineLayout:
                         view = group.local_shard[meta.shard_start : meta.shard_start + meta.numel]
                     else:
                         view = torch.empty(meta.numel, dtype=group.dtype, device="meta")
-                    saves = writes_shards and (first_tp or tp_split(p) is not None)
+                    saves = writes_shards and distinct_over_tp(p)
                     layout.slots.append(Slot(stored[meta.param_index], meta.param_start, view, saves,
                                              group=group, shard_start=meta.shard_start))
     else:
