@@ -45,8 +45,11 @@ class ParamResidency(Protocol):
 
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any: ...
 
-    def end_step(self) -> None:
-        """After backward."""
+    def after_backward(self) -> None:
+        """After the backward that may end a step."""
+
+    def before_update(self) -> None:
+        """Before the optimizer updates the parameters."""
 
     def abort(self) -> None:
         """After an exception in forward or backward."""
@@ -86,7 +89,10 @@ class ResidentParams:
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         return module(*args, **kwargs)
 
-    def end_step(self) -> None:
+    def after_backward(self) -> None:
+        return None
+
+    def before_update(self) -> None:
         return None
 
     def abort(self) -> None:
@@ -273,7 +279,7 @@ class Engine:
                 self._broken = f"the backward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
             raise
         if end_step:
-            self.residency.end_step()
+            self.residency.after_backward()
         reducer.end_backward()
         return result
 
@@ -294,6 +300,7 @@ class Engine:
             started = time.perf_counter()
             with self._phase(Phase.STEP):
                 self._finish_step()
+                self.residency.before_update()
                 try:
                     result = optimizer.step()
                 except BaseException as exc:

@@ -12,11 +12,13 @@ a step, each in its own module:
 - zcore.secondary_partition: where all-gathers go (hpZ: within a block of
   ranks, from secondaries kept after a gather over the world).
 
-A step is one forward and its backward (one trace: backward continues it).
-Forward with grad enabled uses trace key TRAIN, without grad (evaluation,
-generation) key NO_GRAD; a no-grad step ends when its forward returns, a
-training step when the engine's backward has run, or at the next forward if
-no backward came.
+A step is one forward and its backward (one trace: backward continues it),
+or several forwards and their backwards where forwards run before earlier
+ones' backwards (zcore.pending_backwards). Forward with grad enabled uses
+trace key TRAIN, without grad (evaluation, generation) key NO_GRAD; a
+no-grad step ends when its forward returns, a training step when the
+engine's backward has run and no forward awaits its own, or at the next
+forward if no backward came, or at the latest before the optimizer step.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from zcore.errors import ConfigError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity
 from zcore.host_memory import PAGE_ALIGNMENT
 from zcore.module_calls import CallTracker, ModuleCall
+from zcore.pending_backwards import PendingBackwards
 from zcore.plan_execution import PlanExecutor
 from zcore.policies import CommPolicy, OffloadPolicy, Tier
 from zcore.recording_checks import END_OF_STEP, ReleasedParameterCheck
@@ -152,6 +155,8 @@ class ParamFetcher:
             self.gathers, self.data_parallel,
         )
         self._calls = CallTracker(self._plans, groups)
+        self._pending = PendingBackwards()
+        self._told_open_at_update = False
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)
         self._external = ExternalParameters(
             self._sites, self._plans, self._calls, self.buffers, self.group_of_param, self._names
@@ -167,9 +172,12 @@ class ParamFetcher:
     # The engine's side: steps.
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         grad = torch.is_grad_enabled()
-        if self.coordinator.in_step:
-            self.end_step()  # the previous forward had no backward
-        self.coordinator.begin_step(TRAIN if grad else NO_GRAD)
+        # Forwards still awaiting their backward: this one joins their step.
+        joins = self.coordinator.in_step and self._pending.any()
+        if not joins:
+            if self.coordinator.in_step:
+                self.end_step()  # the previous forward had no backward
+            self.coordinator.begin_step(TRAIN if grad else NO_GRAD)
         # A key's first step records its trace: check every operator then.
         check = self._released_check if self.coordinator.recording else contextlib.nullcontext()
         try:
@@ -183,9 +191,32 @@ class ParamFetcher:
         except BaseException as exc:
             self.abort_after(exc)
             raise
-        if not grad:
+        if grad:
+            self._pending.add(out)
+        elif not joins:
             self.end_step()
         return out
+
+    def after_backward(self) -> None:
+        """Ends the step unless a forward still awaits its backward."""
+        if not self._pending.any():
+            self.end_step()
+
+    def before_update(self) -> None:
+        """The optimizer is about to update the shards: a step still open
+        (a forward whose outputs are kept but never back-propagated) ends,
+        so that no gathered copy outlives the update. Ranks need not agree
+        here: the update is the same point on every rank."""
+        if not self.coordinator.in_step:
+            return
+        if not self._told_open_at_update:
+            self._told_open_at_update = True
+            log.info(
+                "zcore ZeRO-3: a forward's outputs still await their backward at the optimizer step; "
+                "its step ends there (a backward through them later would use the updated parameters). "
+                "Said once."
+            )
+        self._close_step()
 
     def end_step(self) -> None:
         """After backward: closes the module calls whose inputs took no
@@ -197,6 +228,10 @@ class ParamFetcher:
         except BaseException as exc:
             self.abort_after(exc)
             raise
+        self._close_step()
+
+    def _close_step(self) -> None:
+        self._pending.clear()
         self._calls.end_step()
         self._plans.execute(self.coordinator.end_step())
         notice = self.coordinator.take_departure_notice()
@@ -209,6 +244,7 @@ class ParamFetcher:
             )
 
     def abort(self) -> None:
+        self._pending.clear()
         self._calls.abort()
         self._plans.execute(self.coordinator.abort_step())
 
