@@ -22,16 +22,14 @@ tp rank and must count once.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch 2.4 keeps DTensor private
-    from torch.distributed._tensor import DTensor, Replicate, Shard
 
 from zcore.config import Config
 from zcore.errors import ConfigError
@@ -74,11 +72,6 @@ def model_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[ModelParallelMes
             f"device_mesh holds {mesh.size()} ranks but the world has {dist.get_world_size()}: pass a mesh "
             "of every rank"
         )
-    if TENSOR_PARALLEL in names and PIPELINE_PARALLEL in names:
-        raise ConfigError(
-            f"device_mesh has dimensions {names}: zcore composes with tensor or with pipeline parallelism, "
-            "not yet with both at once; pass a mesh of \"dp\" and one of them"
-        )
     dp = mesh[DATA_PARALLEL]
     return ModelParallelMesh(
         mesh=mesh,
@@ -88,14 +81,33 @@ def model_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[ModelParallelMes
     )
 
 
+def _dtensor_module() -> Optional[ModuleType]:
+    """torch's DTensor module where it is loaded, else None. A model holding
+    DTensors has loaded it; importing it here would cost every ``import
+    zcore`` 0.7 s. torch 2.4 keeps it private."""
+    return sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
+
+
+def is_dtensor(t: object) -> bool:
+    module = _dtensor_module()
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def dtensor(local: torch.Tensor, spec: object, requires_grad: bool) -> torch.Tensor:
+    """A DTensor of ``local`` placed as ``spec`` (a DTensor's ``_spec``)."""
+    module = _dtensor_module()
+    assert module is not None, "a DTensor's spec exists only where its module is loaded"
+    return module.DTensor(local, spec, requires_grad=requires_grad)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's values of ``t``: a DTensor's local slice, or ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def point_at(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """``param`` computes with ``values`` (shaped as its local tensor) from now on."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         param._local_tensor = values
     else:
         param.data = values
@@ -106,7 +118,7 @@ def local_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     local tensor (a DTensor gradient placed otherwise is redistributed
     first: a collective over the parameter's mesh, in the same order on
     every rank as autograd's hooks run)."""
-    if not isinstance(grad, DTensor):
+    if not is_dtensor(grad):
         return grad
     if grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
@@ -115,7 +127,7 @@ def local_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 
 def tp_sharded(param: torch.Tensor) -> bool:
     """Whether ``param``'s slices differ across tensor-parallel ranks."""
-    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+    return is_dtensor(param) and any(isinstance(p, _dtensor_module().Shard) for p in param.placements)
 
 
 @dataclass(frozen=True)
@@ -156,11 +168,11 @@ def check_parameters(model: torch.nn.Module, mesh: ModelParallelMesh) -> None:
             "build it on a real device (or materialise it) before parallelize_module and zcore.initialize"
         )
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor):
+        if not is_dtensor(p):
             continue
-        placements = p.placements
+        placements, module = p.placements, _dtensor_module()
         on_tp = tp is not None and p.device_mesh.ndim == 1 and p.device_mesh.mesh.tolist() == tp.mesh.tolist()
-        if not on_tp or not all(isinstance(pl, (Shard, Replicate)) for pl in placements):
+        if not on_tp or not all(isinstance(pl, (module.Shard, module.Replicate)) for pl in placements):
             raise ConfigError(
                 f"parameter {name} is a DTensor on a mesh of ranks {p.device_mesh.mesh.tolist()} placed "
                 f"{placements}; zcore shards over \"dp\" the parameters that torch's tensor parallelism "

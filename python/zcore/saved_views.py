@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from zcore.errors import InvalidStateError
-from zcore.model_parallel import DTensor
+from zcore.model_parallel import dtensor, is_dtensor
 from zcore.gather_buffers import GatherBuffers
 
 
@@ -88,7 +88,7 @@ class SavedViews:
     def pack(self, t: torch.Tensor) -> Any:
         if id(t) in self._group_of_param:
             return t  # a parameter saved as itself: its .data follows the gathers
-        if isinstance(t, DTensor):  # its values are its local tensor's (zcore.model_parallel)
+        if is_dtensor(t):  # its values are its local tensor's (zcore.model_parallel)
             local = self._view_of(t._local_tensor)
             if local is not None:
                 return _SavedDTensorView(local, t._spec, t.requires_grad)
@@ -109,7 +109,7 @@ class SavedViews:
         if isinstance(saved, UserPacked):
             return saved.unpack(saved.packed)
         if isinstance(saved, _SavedDTensorView):
-            return DTensor(self._rebuilt(saved.local), saved.spec, requires_grad=saved.requires_grad)
+            return dtensor(self._rebuilt(saved.local), saved.spec, saved.requires_grad)
         if not isinstance(saved, _SavedView):
             return saved
         return self._rebuilt(saved)

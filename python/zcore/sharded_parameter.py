@@ -24,7 +24,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zcore.errors import InvalidStateError
-from zcore.model_parallel import DTensor
+from zcore.model_parallel import is_dtensor
 
 if TYPE_CHECKING:
     from zcore.sharded_group import ShardedGroup
@@ -52,7 +52,7 @@ def mark_sharded(groups: Iterable[ShardedGroup]) -> None:
     parameter (torch.utils.swap_tensors) replaces its class."""
     for group in groups:
         for param, numel in zip(group.params, group.numels):
-            if isinstance(param, DTensor):  # counts its whole elements already
+            if is_dtensor(param):  # counts its whole elements already
                 continue
             if not isinstance(param, ShardedParameter):
                 param.__class__ = ShardedParameter

@@ -67,8 +67,8 @@ def peak_growth(rank: int, world: int, layers: int, path: str) -> dict:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 def test_peak_memory_does_not_grow_with_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    small = run_ranks(peak_growth, 1, 24, str(tmp_path), launcher=False, timeout=300)[0]
-    large = run_ranks(peak_growth, 1, 48, str(tmp_path), launcher=False, timeout=300)[0]
+    small = run_ranks(peak_growth, 1, 24, str(tmp_path), launcher=False, timeout=300, fresh_interpreter=True)[0]
+    large = run_ranks(peak_growth, 1, 48, str(tmp_path), launcher=False, timeout=300, fresh_interpreter=True)[0]
     mib = 2**20
     # Nothing of the model stays in memory between steps.
     for tier in ("device", "host"):

@@ -22,6 +22,7 @@ zcore's partials in the directory whose owner is gone:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -50,8 +51,22 @@ def _start_ticks(pid: int) -> Optional[int]:
 
 
 _BOOT = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-_SELF = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())}
-_STARTED = _BOOT + (_SELF["start_ticks"] or 0) / os.sysconf("SC_CLK_TCK")
+
+
+@functools.cache
+def _process(pid: int) -> dict:
+    """This process as owner.json records it. Asked for by pid, not taken
+    at import: a process forked after importing zcore is another owner."""
+    return {"host": socket.gethostname(), "pid": pid, "start_ticks": _start_ticks(pid)}
+
+
+def _self() -> dict:
+    return _process(os.getpid())
+
+
+def _started() -> float:
+    """When this process started (seconds since the epoch)."""
+    return _BOOT + (_self()["start_ticks"] or 0) / os.sysconf("SC_CLK_TCK")
 
 
 def _owner(partial: Path) -> Optional[dict]:
@@ -68,9 +83,10 @@ def _owner(partial: Path) -> Optional[dict]:
 
 
 def _abandoned(owner: dict) -> bool:
-    if owner["host"] != _SELF["host"]:
-        return owner["created"] < _STARTED
-    if owner["pid"] == _SELF["pid"] and owner["start_ticks"] == _SELF["start_ticks"]:
+    me = _self()
+    if owner["host"] != me["host"]:
+        return owner["created"] < _started()
+    if owner["pid"] == me["pid"] and owner["start_ticks"] == me["start_ticks"]:
         return True
     return _start_ticks(owner["pid"]) != owner["start_ticks"]
 
@@ -83,7 +99,7 @@ def _abandoned_dir(path: Path) -> bool:
     # (a save killed while marking it), then by its age alone.
     try:
         unmarked = set(os.listdir(path)) <= {f".{directory.OWNER}.tmp"}
-        return unmarked and path.stat().st_mtime < _STARTED
+        return unmarked and path.stat().st_mtime < _started()
     except OSError:
         return False
 
@@ -123,7 +139,7 @@ def start(staging: Path) -> None:
         )
     staging.mkdir()
     try:
-        durable.write_json(staging / directory.OWNER, {**_SELF, "created": time.time()})
+        durable.write_json(staging / directory.OWNER, {**_self(), "created": time.time()})
     except BaseException:
         staging.rmdir()
         raise
