@@ -37,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 
 from zcore import comm
 from zcore.errors import ConfigError, InvalidStateError
-from zcore.model_parallel import PIPELINE_PARALLEL, ModelParallelMesh
+from zcore.model_parallel import PIPELINE_PARALLEL, ModelParallelMesh, local_tensor
 
 
 class PipelineStage(TorchPipelineStage):
@@ -131,6 +131,8 @@ def tie_parameters(
     any rank got wrong is raised on every rank (``mesh`` pipelines)."""
     stage = mesh.mesh[PIPELINE_PARALLEL].get_local_rank()
     dp = mesh.data_parallel
+    # The ranks that hold one copy each: the same dp and tp coordinates, one per stage.
+    place = (dp.rank, mesh.tp_rank)
     unit_of = {id(unit.params[0]): u for u, unit in enumerate(units) if len(unit.params) == 1}
     problem = None
     if tied and stage3:
@@ -145,12 +147,13 @@ def tie_parameters(
                 f"tied_parameters[{wrong[0]!r}] on stage {stage} is not a trained parameter of the stage's "
                 "model; pass the Parameter object the stage's module holds (requires_grad=True)"
             )
-    numels = {key: param.numel() for key, param in tied.items()}
-    everyone = comm.all_gather_objects((dist.get_rank(), stage, dp.rank, numels, problem))
+    numels = {key: local_tensor(param).numel() for key, param in tied.items()}  # this rank's slice
+    everyone = comm.all_gather_objects((dist.get_rank(), stage, place, numels, problem))
     problems = [p for *_, p in everyone if p is not None]
     if problems:
         raise ConfigError(problems[0])
     rank_of = {(s, d): r for r, s, d, _, _ in everyone}
+    places = sorted({d for _, _, d, _, _ in everyone})
     holders: dict[str, dict[int, int]] = {}  # key -> stage -> elements
     for _, s, d, held, _ in everyone:
         for key, numel in held.items():
@@ -172,14 +175,14 @@ def tie_parameters(
                 f"tied_parameters[{key!r}] names weights of {sorted(sizes)} elements on stages {stages}: a tied "
                 "weight is one shape on every stage"
             )
-        missing = [(s, d) for s in stages for d in range(dp.size) if key not in everyone[rank_of[(s, d)]][3]]
+        missing = [(s, d) for s in stages for d in places if key not in everyone[rank_of[(s, d)]][3]]
         if missing:
             raise ConfigError(
-                f"tied_parameters[{key!r}] is given on some ranks of stage {missing[0][0]} but not on its dp rank "
-                f"{missing[0][1]}: every rank of a stage passes the same ties"
+                f"tied_parameters[{key!r}] is given on some ranks of stage {missing[0][0]} but not on its rank "
+                f"at (dp, tp) = {missing[0][1]}: every rank of a stage passes the same ties"
             )
-        for d in range(dp.size):  # every rank creates every group, in one order
+        for d in places:  # every rank creates every group, in one order
             group = dist.new_group([rank_of[(s, d)] for s in stages])
-            if d == dp.rank and key in tied:
+            if d == place and key in tied:
                 ties.append(Tie(unit_of[id(tied[key])], group, counted=stage == stages[0]))
     return ties

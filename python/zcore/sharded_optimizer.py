@@ -275,7 +275,13 @@ class ShardedOptimizer:
         self.group_params = group_params
         self.model_parallel = model_parallel
         self.ties = ties
-        self._replicated = replicated_pieces(self.units) if model_parallel is not None else []
+        # Pieces every tp rank holds whole, counted once over tp; a tied copy
+        # that another stage counts is left out of the norm altogether.
+        uncounted = {t.unit for t in ties if not t.counted}
+        self._replicated = [
+            piece for piece in (replicated_pieces(self.units) if model_parallel is not None else [])
+            if piece[0] not in uncounted
+        ]
 
     @property
     def param_groups(self) -> list[dict]:

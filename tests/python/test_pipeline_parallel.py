@@ -96,6 +96,7 @@ def pipelined_steps(engine, schedule, mesh, steps: range) -> list[float]:
     (part m x dp + d: the reference's split), stacked for the schedule to cut."""
     stage, dp, size = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
     gas, batch = engine.gradient_accumulation_steps(), engine.train_batch_size()
+    tp = dist.get_world_size() // (mesh["pp"].size() * size)
     losses = []
     for step in steps:
         x, y = global_batch("gpt", step, batch)
@@ -107,8 +108,8 @@ def pipelined_steps(engine, schedule, mesh, steps: range) -> list[float]:
             micro: list = []
             schedule.step(target=torch.cat([y[p] for p in parts]), losses=micro)
             total = torch.stack(micro).sum().detach()
-        dist.all_reduce(total)  # the last stage's sums over its dp ranks
-        losses.append(total.item() / (size * gas))
+        dist.all_reduce(total)  # the last stage's sums over its dp ranks (and its tp ranks, which hold the same)
+        losses.append(total.item() / (size * gas * tp))
     return losses
 
 
@@ -161,6 +162,12 @@ def reference(clip: float, tied: bool) -> dict:
 @pytest.mark.parametrize("label, zero_stage, schedule_type, clip, zero, tied", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_dp_x_pp_matches_single_process_adamw(label, zero_stage, schedule_type, clip, zero, tied):
     results = run_ranks(train, WORLD, zero_stage, schedule_type, clip, zero, tied, timeout=240)
+    assert_matches_reference(label, results, clip, tied)
+
+
+def assert_matches_reference(label: str, results: list[dict], clip: float, tied: bool) -> None:
+    """Every rank's losses, and the parameters of every stage (the same on
+    each rank holding them), against the single-process reference."""
     ref = reference(clip, tied)
     if tied:  # the whole model names the weight once; the last stage's copy must equal it too
         ref["params"]["lm_head.weight"] = ref["params"]["wte.weight"]
@@ -171,7 +178,7 @@ def test_dp_x_pp_matches_single_process_adamw(label, zero_stage, schedule_type, 
             assert abs(a - b) <= TOLERANCE * abs(b), f"{label}, rank {rank}: step {step} loss {a} vs {b}"
         for name, value in got["params"].items():
             params.setdefault(name, value)
-            assert torch.equal(params[name], value), f"{label}: {name} differs across dp ranks"
+            assert torch.equal(params[name], value), f"{label}: {name} differs across the ranks holding it"
     assert params.keys() == ref["params"].keys()
     for name, value in params.items():
         assert relative_error(value, ref["params"][name]) <= TOLERANCE, f"{label}: parameter {name}"
