@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -300,10 +301,17 @@ def test_wandb_writes_its_offline_run(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (data,) = runs[0].glob("*.wandb")
-    # The history records hold each key as it was logged.
+    # The history records hold each key as it was logged. wandb-core writes
+    # the file from its own process: once, in a full suite run, finish()
+    # had returned with only the file's header written, so allow it time.
+    keys = [k.encode() for k in ("Train/Samples/train_loss", "Train/Samples/elapsed_time_ms_forward",
+                                 "Memory/host/process_rss")]
+    deadline = time.monotonic() + 30
+    while not all(k in data.read_bytes() for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
     content = data.read_bytes()
-    for key in ("Train/Samples/train_loss", "Train/Samples/elapsed_time_ms_forward", "Memory/host/process_rss"):
-        assert key.encode() in content
+    for key in keys:
+        assert key in content
 
 
 def test_a_monitor_whose_package_is_missing_is_refused(tmp_path, monkeypatch):
