@@ -164,7 +164,7 @@ class Engine:
         self.metrics: Optional[StepMetrics] = None
         self.monitors: list = []
         if config.records_step_metrics:
-            self.metrics = StepMetrics(module, context.world_size)
+            self.metrics = StepMetrics(module, context.world_size, ranks.data_parallel.size)
             self.monitors = open_monitors(config, context.rank)
             if optimizer is not None:
                 optimizer.measures_norm = True
@@ -249,15 +249,18 @@ class Engine:
         self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
-    def pipeline_backward(self, run: Callable[[float], T], boundary: bool) -> T:
+    def pipeline_backward(self, run: Callable[[float], T], boundary: bool, loss: Optional[torch.Tensor]) -> T:
         """One micro-batch's backward as a pipeline schedule runs it
         (zcore.pipelining): ``run(factor)`` back-propagates with the loss
         scaled by ``factor`` (the loss scale over the accumulation steps);
         ``boundary``: whether it ends the accumulation window (the schedule
-        decides, as set_gradient_accumulation_boundary does). Call
+        decides, as set_gradient_accumulation_boundary does); ``loss``: the
+        micro-batch's loss on the last stage, for the step's record. Call
         ``step()`` after it, as after ``backward``."""
         self._refuse_if_broken()
         optimizer = self._trainer("backward")
+        if self.metrics is not None and loss is not None:
+            self.metrics.loss(loss)
         factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
         self.set_gradient_accumulation_boundary(boundary)
         with self._phase(Phase.BACKWARD):

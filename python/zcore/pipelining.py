@@ -89,7 +89,8 @@ class PipelineStage(TorchPipelineStage):
                 kwargs = {**bwd_kwargs, "stage_output": bwd_kwargs["stage_output"] * factor}
             return torch_backward(backward_type, kwargs, last_backward=last_backward)
 
-        result = self.engine.pipeline_backward(run, boundary=last_backward)
+        loss = bwd_kwargs["stage_output"] if self.is_last else None
+        result = self.engine.pipeline_backward(run, boundary=last_backward, loss=loss)
         if not last_backward:
             self.engine.step()  # counts the micro-step; the optimizer steps in perform_reduce_grad
         return result

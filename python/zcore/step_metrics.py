@@ -14,7 +14,9 @@ them (a monitor or ``wall_clock_breakdown``); otherwise the engine holds no
   optimizer step.
 - Throughput: samples per second from the batch size; tokens from the
   training forwards' token ids (``input_ids``, or the first integer tensor
-  argument) times the world size, since every rank takes a batch of the same shape;
+  argument) times the data-parallel size, since every data-parallel rank
+  takes a batch of the same shape (tensor-parallel ranks take the same one,
+  and a pipeline's later stages take activations: no tokens there);
   FLOPs counted by torch's FlopCounterMode over the first optimizer step
   (which runs slower for it), then scaled by tokens (or forward calls).
 - Memory: zcore's bytes per tier and category (zcore.memory_report), the
@@ -112,8 +114,11 @@ class StepRecord:
 class StepMetrics:
     """Measures the steps of one engine (module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
+    def __init__(self, module: torch.nn.Module, world_size: int, data_parallel_size: int) -> None:
+        """FLOPs are counted on each rank of ``world_size``, tokens on each of
+        ``data_parallel_size`` (the world, or a mesh's "dp" dimension)."""
         self._world_size = world_size
+        self._data_parallel_size = data_parallel_size
         self._activations = SavedActivations(module)
         self._seconds: defaultdict[str, float] = defaultdict(float)
         self._waited = 0.0
@@ -176,7 +181,7 @@ class StepMetrics:
         times = {part: self._seconds.get(part, 0.0) for part in TIME_PARTS if part != "other"}
         times["other"] = max(0.0, total - sum(times.values()))
         self._learn_flops()
-        tokens = self._tokens * self._world_size
+        tokens = self._tokens * self._data_parallel_size
         flops = self._step_flops()
         record = StepRecord(
             global_step=global_step,
@@ -220,11 +225,11 @@ class StepMetrics:
         counted = self._counted * self._world_size
         self._counted = None
         self._flops_per_forward = counted / max(self._forwards, 1)
-        self._flops_per_token = counted / (self._tokens * self._world_size) if self._tokens else None
+        self._flops_per_token = counted / (self._tokens * self._data_parallel_size) if self._tokens else None
 
     def _step_flops(self) -> Optional[float]:
         if self._flops_per_token is not None and self._tokens:
-            return self._flops_per_token * self._tokens * self._world_size
+            return self._flops_per_token * self._tokens * self._data_parallel_size
         if self._flops_per_forward is not None and self._flops_per_forward > 0:
             return self._flops_per_forward * self._forwards
         return None

@@ -26,6 +26,7 @@ import zcore
 from distributed import run_ranks
 from test_pipeline_parallel import CLIP, assert_matches_reference, pipelined_steps, stage_module
 from test_tensor_parallel import whole_params
+from models import global_batch
 from training import ON_DEMAND, zcore_config
 from zcore.checkpoint.consolidate import consolidate
 from zcore.demo.gpt import lm_loss
@@ -99,3 +100,36 @@ def test_checkpoints_resume_and_consolidate(tmp_path):
     assert whole.keys() == saved.keys()
     for name, value in saved.items():
         assert torch.equal(whole[name], value), name
+
+
+def step_records(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    stage = mesh["pp"].get_local_rank()
+    module, _ = stage_module(stage)
+    config = zcore_config(1, GAS, 0.0, wall_clock_breakdown=True)
+    engine, *_ = zcore.initialize(model=module, config=config, device_mesh=mesh)
+    schedule = Schedule1F1B(PipelineStage(engine, stage, PP), n_microbatches=GAS, loss_fn=lm_loss)
+    x, y = global_batch("gpt", 0, engine.train_batch_size())
+    rows_here = x.shape[0] // DP
+    micro: list = []
+    if stage == 0:
+        schedule.step(x[:rows_here])
+    else:
+        schedule.step(target=y[:rows_here], losses=micro)
+    record = engine.metrics.last
+    engine.destroy()
+    return {
+        "stage": stage,
+        "loss": record.loss,
+        "micro": torch.stack(micro).mean().item() if micro else None,
+        "tokens": None if record.tokens_per_second is None else record.tokens_per_second * record.time_ms["total"] / 1e3,
+        "expected_tokens": x.numel(),
+    }
+
+
+def test_step_records_count_the_global_batch_and_the_last_stage_loss():
+    for r in run_ranks(step_records, WORLD, timeout=120):
+        if r["stage"] == 0:  # token ids come in here: this rank's times the dp ranks (not the tp ranks too)
+            assert r["tokens"] == pytest.approx(r["expected_tokens"], rel=1e-6) and r["loss"] is None
+        else:  # activations come in: no tokens; the losses are the schedule's
+            assert r["tokens"] is None and r["loss"] == pytest.approx(r["micro"], rel=1e-6)
