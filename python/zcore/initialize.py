@@ -153,9 +153,11 @@ def initialize(
     batch = BatchSizes(*cfg.batch_sizes(ranks.data_parallel.size))
     offload = policies.offload
     master: Union[MasterShards, SwappedMaster]
+    # Weights tied across pipeline stages: a unit (stage 3: a group) of their own.
+    alone = frozenset(id(p) for p in (tied_parameters or {}).values())
     if policies.stage.shards_parameters:
         groups = collect_param_groups(model, optimizer, model_parameters)
-        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks)
+        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks, alone)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, policies, ranks)
         master = _master(units, offload, context)
@@ -166,7 +168,6 @@ def initialize(
     else:
         _place_and_synchronise(model, context, ranks.data_parallel)
         groups = collect_param_groups(model, optimizer, model_parameters)
-        alone = frozenset(id(p) for p in (tied_parameters or {}).values())
         units = layouts = _pack(groups, cfg, policies.stage, context.device, alone)
         master = _master(units, offload, context)
         state_bytes = _optimizer_bytes_on_nvme(master, units)
@@ -206,7 +207,7 @@ def initialize(
         publisher=publisher,
         group_params=[g["params"] for g in groups.groups],
         model_parallel=ranks.model_parallel,
-        ties=_ties(tied_parameters, units, ranks, policies.stage),
+        ties=_ties(tied_parameters, units, ranks),
     )
     scheduler = _scheduler(cfg, lr_scheduler, sharded)
     engine = Engine(model, sharded, scheduler, cfg, policies, context, batch, residency, handles, ranks)
@@ -364,12 +365,16 @@ def _place_and_synchronise(
 
 
 def _plan_shards(
-    model: torch.nn.Module, context: comm.DistributedContext, precision: MixedPrecision, ranks: DataParallelRanks
+    model: torch.nn.Module,
+    context: comm.DistributedContext,
+    precision: MixedPrecision,
+    ranks: DataParallelRanks,
+    alone: frozenset[int],
 ) -> tuple[GroupPlan, list[ShardedGroup], list[tuple[torch.nn.Module, list[int]]]]:
-    """Stage 3: which parameters form which group, and the groups (without
-    values: ``_fill`` gives them); buffers go to the device whole, the first
-    data-parallel rank's on every rank (those on the meta device later, as
-    ``_fill`` materialises them)."""
+    """Stage 3: which parameters form which group (those in ``alone`` one
+    each), and the groups (without values: ``_fill`` gives them); buffers go
+    to the device whole, the first data-parallel rank's on every rank (those
+    on the meta device later, as ``_fill`` materialises them)."""
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             if not buf.is_meta:
@@ -378,7 +383,7 @@ def _plan_shards(
         with torch.no_grad():
             buffers = [local_tensor(b) for b in model.buffers() if not b.is_meta]
             comm.broadcast_from_rank0(buffers, ranks.data_parallel.group)
-    plan = plan_groups(model)
+    plan = plan_groups(model, alone)
     groups, hooked = build_groups(plan, ranks.shard.size, ranks.shard.rank, context.device, precision.compute_dtype)
     return plan, groups, hooked
 
@@ -635,9 +640,7 @@ def _nodes(ranks: DataParallelRanks) -> Optional[tuple[RankGroup, RankGroup]]:
     return topology.node_local(), topology.across_nodes_within(size)
 
 
-def _ties(
-    tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], ranks: DataParallelRanks, stage: StagePolicy
-) -> list[Tie]:
+def _ties(tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], ranks: DataParallelRanks) -> list[Tie]:
     """Weights tied across pipeline stages (collective over the world when
     the mesh pipelines: every stage takes part, with ties or without)."""
     from zcore.pipelining import tie_parameters  # torch's pipelining, imported only where it is used
@@ -650,7 +653,7 @@ def _ties(
                 "or tie the weight in the model itself (one Parameter in both places)"
             )
         return []
-    return tie_parameters(tied or {}, units, mesh, stage.shards_parameters)
+    return tie_parameters(tied or {}, units, mesh)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

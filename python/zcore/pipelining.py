@@ -124,7 +124,7 @@ class Tie:
 
 
 def tie_parameters(
-    tied: dict[str, torch.nn.Parameter], units: list, mesh: ModelParallelMesh, stage3: bool
+    tied: dict[str, torch.nn.Parameter], units: list, mesh: ModelParallelMesh
 ) -> list[Tie]:
     """This stage's ties, from ``tied`` (key -> this stage's copy; every
     stage holding a weight names it with the same key). Collective: every
@@ -136,18 +136,12 @@ def tie_parameters(
     place = (dp.rank, mesh.tp_rank)
     unit_of = {id(unit.params[0]): u for u, unit in enumerate(units) if len(unit.params) == 1}
     problem = None
-    if tied and stage3:
+    wrong = [key for key, param in tied.items() if id(param) not in unit_of]
+    if wrong:
         problem = (
-            "tied_parameters with zero_optimization.stage = 3: zcore ties weights across pipeline stages at "
-            "stages 0-2 for now; use one of those"
+            f"tied_parameters[{wrong[0]!r}] on stage {stage} is not a trained parameter of the stage's "
+            "model; pass the Parameter object the stage's module holds (requires_grad=True)"
         )
-    else:
-        wrong = [key for key, param in tied.items() if id(param) not in unit_of]
-        if wrong:
-            problem = (
-                f"tied_parameters[{wrong[0]!r}] on stage {stage} is not a trained parameter of the stage's "
-                "model; pass the Parameter object the stage's module holds (requires_grad=True)"
-            )
     numels = {key: local_tensor(param).numel() for key, param in tied.items()}  # this rank's slice
     everyone = comm.all_gather_objects((dist.get_rank(), stage, place, numels, problem))
     problems = [p for *_, p in everyone if p is not None]

@@ -144,16 +144,19 @@ class GroupPlan:
     uses: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]  # per module: every direct param
 
 
-def plan_groups(model: torch.nn.Module) -> GroupPlan:
+def plan_groups(model: torch.nn.Module, alone: frozenset[int] = frozenset()) -> GroupPlan:
+    """``alone``: ids of parameters that get a group of their own (a weight
+    tied across pipeline stages, whose gradient is summed with its copies')."""
     owner: set[int] = set()
     owned, uses = [], []
     for name, module in model.named_modules():
         direct = list(module.parameters(recurse=False))
-        kinds: dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]] = {}
+        kinds: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in direct:
             if id(p) not in owner:
                 owner.add(id(p))
-                kinds.setdefault((p.requires_grad, p.dtype), []).append(p)
+                kind = (p.requires_grad, p.dtype, id(p) if id(p) in alone else None)
+                kinds.setdefault(kind, []).append(p)
         if kinds or any(b.is_meta for b in module.buffers(recurse=False)):
             owned.append((name, module, list(kinds.values())))
         if direct:
