@@ -117,7 +117,7 @@ def initialize(
     placed, sharded and offloaded as for training, the optimizer returned is
     None, and backward, step and save_checkpoint are refused.
     """
-    _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init)
+    _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init, tied_parameters)
     _refuse_wrapped(model)
     cfg = load_config(config)
     if optimizer is None and cfg.optimizer is None:
@@ -308,7 +308,7 @@ def _present_sharded(model: torch.nn.Module, groups: list[ShardedGroup], context
 
 
 def _check_arguments(
-    model: Any, optimizer: Any, model_parameters: Any, collate_fn: Any, meta_init: Any
+    model: Any, optimizer: Any, model_parameters: Any, collate_fn: Any, meta_init: Any, tied_parameters: Any
 ) -> None:
     """Refuses an argument of the wrong kind by name before anything is set
     up; otherwise it fails later, deep inside, as an AttributeError or a
@@ -332,6 +332,15 @@ def _check_arguments(
         ),
         ("collate_fn", collate_fn, collate_fn is None or callable(collate_fn), "None or a callable"),
         ("meta_init", meta_init, meta_init is None or isinstance(meta_init, MetaInit), "None or a zcore.MetaInit"),
+        (
+            "tied_parameters",
+            tied_parameters,
+            tied_parameters is None or (
+                isinstance(tied_parameters, Mapping)
+                and all(isinstance(k, str) and isinstance(v, torch.nn.Parameter) for k, v in tied_parameters.items())
+            ),
+            "None or a dict of str keys to torch.nn.Parameter (each stage's copy of a tied weight)",
+        ),
     )
     for name, value, ok, expected in checks:
         if not ok:

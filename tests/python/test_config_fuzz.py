@@ -718,12 +718,16 @@ def test_any_text_as_the_config_path_is_refused_naming_it(name, files):
 
 # zcore.initialize's own arguments.
 @FUZZ
-@given(argument=st.sampled_from(["model", "optimizer", "model_parameters", "collate_fn", "meta_init"]), value=JSON)
+@given(
+    argument=st.sampled_from(["model", "optimizer", "model_parameters", "collate_fn", "meta_init", "tied_parameters"]),
+    value=JSON,
+)
 def test_initialize_refuses_an_argument_of_the_wrong_kind_naming_it(argument, value):
     # JSON values are never callable, a module or a MetaInit; a list is an
     # iterable of parameters as far as the argument's kind goes.
     assume(value is not None or argument == "model")
     assume(not (argument == "model_parameters" and isinstance(value, list)))
+    assume(not (argument == "tied_parameters" and value == {}))  # no ties
     arguments = {"model": torch.nn.Linear(2, 2), "config": BASE, argument: value}
     with pytest.raises(zcore.InvalidArgumentError, match=rf"zcore\.initialize\({argument}=") as info:
         zcore.initialize(**arguments)
