@@ -29,7 +29,7 @@ from models import forward, global_batch, loss_of, make_model
 from test_estimate import assert_close
 from training import ON_DEMAND, TIGHT, assert_matches, rows, train_reference, zcore_config
 from zcore.checkpoint.consolidate import consolidate
-from zcore.errors import CheckpointMismatchError, ConfigError, InvalidStateError
+from zcore.errors import ConfigError, InvalidStateError
 
 WORLD, DP, TP = 4, 2, 2
 STEPS = 20
@@ -144,28 +144,30 @@ def save_and_resume(rank: int, world: int, directory: str) -> dict:
     return {"saved": saved, "after": after, "resumed": resumed}
 
 
-def load_elsewhere(rank: int, world: int, directory: str, tp: int) -> dict:
-    """World 2: 1 dp x 2 tp (another dp size: loads) or 2 dp x 1 (another tp size: refused)."""
-    engine, device_mesh = parallel_engine(world // tp, tp, 2 if tp > 1 else 1)
-    try:
-        engine.load_checkpoint(directory, tag="ten")
-    except CheckpointMismatchError as exc:
-        engine.destroy()
-        return {"refused": str(exc)}
+def load_elsewhere(rank: int, world: int, directory: str, tp: int, tag: str, save_as: str | None = None) -> list[float]:
+    """Another layout of ``world`` ranks as (world / tp) dp x ``tp`` tp
+    loads ``tag`` (first saving it again as ``save_as``), then trains."""
+    engine, device_mesh = parallel_engine(world // tp, tp, 2 if world // tp == 1 else 1)
+    engine.load_checkpoint(directory, tag=tag)
+    if save_as is not None:
+        engine.save_checkpoint(directory, tag=save_as)
     resumed = train_steps(engine, device_mesh, range(10, 20))
     engine.destroy()
-    return {"resumed": resumed}
+    return resumed
 
 
 def test_checkpoints_resume_at_any_dp_size_and_consolidate(tmp_path):
     directory = str(tmp_path / "checkpoints")
     first = run_ranks(save_and_resume, WORLD, directory, timeout=240)[0]
     assert first["resumed"] == first["after"]  # the same ranks and layout: bit-exact
-    one_dp = run_ranks(load_elsewhere, 2, directory, 2, timeout=240)[0]
-    for a, b in zip(one_dp["resumed"], first["after"], strict=True):
-        assert a == pytest.approx(b, rel=TOLERANCE)  # the dp sum in another order
-    refused = run_ranks(load_elsewhere, 2, directory, 1, timeout=240)[0]["refused"]
-    assert "over 2 tensor-parallel rank(s) along dimension 0" in refused and "zcore consolidate" in refused
+    # Another dp size; another tp size (the parts recut: 2 -> 4, 2 -> none,
+    # and none -> 2 from a checkpoint the untensor-parallel engine saved).
+    for world, tp, tag, save_as in ((2, 2, "ten", None), (4, 4, "ten", None), (2, 1, "ten", "plain"),
+                                    (2, 2, "plain", None)):
+        resumed = run_ranks(load_elsewhere, world, directory, tp, tag, save_as, timeout=240)[0]
+        for a, b in zip(resumed, first["after"], strict=True):
+            assert a == pytest.approx(b, rel=TOLERANCE), (world, tp, tag)  # the sums in another order
+    assert "@tp" not in (tmp_path / "checkpoints" / "plain" / "meta.json").read_text()
     files = consolidate(directory, tmp_path / "whole", tag="ten", progress=False)
     whole = {}
     for f in files:

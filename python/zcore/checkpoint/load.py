@@ -24,6 +24,7 @@ from zcore.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, schema, training_state
 from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos, whole_model_layout
+from zcore.checkpoint.recut_parts import RecutParts
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
@@ -193,12 +194,14 @@ def _read(
 ) -> None:
     rank = engine.context.rank
     values = SlotValues(engine)
-    total = _bytes_to_read(layout, meta, indexes, options.optimizer)
+    recut = RecutParts(tensor_infos(meta.tensors), layout.tensors)
+    infos = recut.infos()
+    total = _bytes_to_read(layout, infos, recut, indexes, options.optimizer)
     with (
         progress_bar(f"loading checkpoint {tag_dir.name}", total) as bar,
-        SavedRanges(tag_dir, indexes, AioEngine(tag_dir), progress=bar) as saved,
+        SavedRanges(tag_dir, indexes, AioEngine(tag_dir), progress=bar) as ranges,
     ):
-        infos = tensor_infos(meta.tensors)
+        saved = recut.reading(ranges)
         for slot in layout.slots:
             if values.swapped and infos[slot.name].role == TRAINED:
                 found = saved.dtype(slot.name, slot.start, slot.stop)  # read in stage_nvme
@@ -224,8 +227,9 @@ def _read(
                              for key in keys}
                 else:
                     state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
-                owner = next((ix for ix in indexes if slot.name in ix.scalars), None)
-                scalars = owner.scalars[slot.name] if owner is not None else {}
+                source = recut.source_name(slot.name)
+                owner = next((ix for ix in indexes if source in ix.scalars), None)
+                scalars = owner.scalars[source] if owner is not None else {}
                 path = tag_dir / directory.rank_index(owner.rank if owner is not None else 0)
                 both = sorted(set(scalars) & set(state))
                 if both:
@@ -258,16 +262,18 @@ def _read(
         stage_nvme(engine, layout, saved, staged)
 
 
-def _bytes_to_read(layout: EngineLayout, meta: schema.Meta, indexes: list[schema.RankIndex], optimizer: bool) -> int:
+def _bytes_to_read(
+    layout: EngineLayout, infos: dict, recut: RecutParts, indexes: list[schema.RankIndex], optimizer: bool
+) -> int:
     """What ``_read`` reads for this rank's slots, for its progress bar: the
     range of each tensor and, with the optimizer's states, of each ranged
-    state saved with it (in the tensor's dtype, as torch's optimizers keep them)."""
-    infos = tensor_infos(meta.tensors)
+    state saved with it (in the tensor's dtype, as torch's optimizers keep them;
+    a recut tensor's ranges as this engine cuts it)."""
     ranged = {(r.of, r.state) for index in indexes for r in index.ranges.values() if r.state is not None}
     states_of = Counter(name for name, _ in ranged)
     total = 0
     for slot in layout.slots:
-        copies = 1 + (states_of[slot.name] if optimizer and layout.tensors[slot.name].role == TRAINED else 0)
+        copies = 1 + (states_of[recut.source_name(slot.name)] if optimizer and layout.tensors[slot.name].role == TRAINED else 0)
         total += copies * (slot.stop - slot.start) * infos[slot.name].dtype.itemsize
     return total
 
@@ -362,11 +368,13 @@ def _check_state(engine: Any, meta: schema.Meta, path: Path, options: _Options, 
 def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
     saved = tensor_infos(meta.tensors)
     current = layout.tensors
-    _check_tensor_parallel(saved, current, tag_dir)
-    missing = [n for n in current if n not in saved]
-    unexpected = [n for n in saved if n not in current]
+    # The tp parts of a tensor both sides hold: cut another way, they recut (zcore.checkpoint.recut_parts).
+    parts = {n for infos in (saved, current) for whole, info in infos.items()
+             if info.parts is not None and whole in saved and whole in current for n in info.parts[1]}
+    missing = [n for n in current if n not in saved and n not in parts]
+    unexpected = [n for n in saved if n not in current and n not in parts]
     reshaped = [f"{n}: saved {list(saved[n].shape)}, model {list(current[n].shape)}"
-                for n in current if n in saved and saved[n].shape != current[n].shape]
+                for n in current if n in saved and n not in parts and saved[n].shape != current[n].shape]
     if missing or unexpected or reshaped:
         parts = []
         for label, names in (("missing from the checkpoint", missing),
@@ -379,26 +387,6 @@ def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
             + ". Load it into the model it was saved from (or pass load_module_only with a matching model)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )
-
-
-def _check_tensor_parallel(saved: dict, current: dict, tag_dir: Path) -> None:
-    """A tensor cut into parts over another number of tp ranks than this
-    engine's (or cut on one side only) cannot be read part by part."""
-    for name, info in current.items():
-        theirs = saved.get(name)
-        if theirs is None or theirs.parts == info.parts:
-            continue
-        count = len(theirs.parts[1]) if theirs.parts else 1
-        ours = len(info.parts[1]) if info.parts else 1
-        if (theirs.parts is None) != (info.parts is None) or count != ours or theirs.parts[0] != info.parts[0]:
-            raise CheckpointMismatchError(
-                f"checkpoint {tag_dir} stores {name} cut over {count} tensor-parallel rank(s)"
-                f"{f' along dimension {theirs.parts[0]}' if theirs.parts else ''}; this engine cuts it over "
-                f"{ours}{f' along dimension {info.parts[0]}' if info.parts else ''}. A checkpoint reloads at "
-                "any data-parallel size but only at the tensor-parallel layout it was saved with: load it "
-                "with that \"tp\" size, or turn it into one state dict with `zcore consolidate` and load "
-                "that into the model before zcore.initialize"
-            )
 
 
 def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
