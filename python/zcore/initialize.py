@@ -256,7 +256,7 @@ def _inference_engine(
     residency: ParamResidency
     handles: list = []
     if policies.stage.shards_parameters:
-        plan, groups, hooked = _plan_shards(model, context, precision, ranks)
+        plan, groups, hooked = _plan_shards(model, context, precision, ranks, frozenset())  # no ties without an optimizer
         fetcher, handles = _fetcher(model, groups, hooked, cfg, policies, ranks)
         _fill(plan, groups, context, ranks.data_parallel, meta_init, fetcher)
         handles += _present_sharded(model, groups, context)
