@@ -142,7 +142,7 @@ def tie_parameters(
             f"tied_parameters[{wrong[0]!r}] on stage {stage} is not a trained parameter of the stage's "
             "model; pass the Parameter object the stage's module holds (requires_grad=True)"
         )
-    numels = {} if problem else {key: local_tensor(param).numel() for key, param in tied.items()}  # this rank's slice
+    numels = {key: local_tensor(param).numel() for key, param in tied.items()}  # this rank's slice
     everyone = comm.all_gather_objects((dist.get_rank(), stage, place, numels, problem))
     problems = [p for *_, p in everyone if p is not None]
     if problems:
