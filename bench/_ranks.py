@@ -78,3 +78,27 @@ def run_local_ranks(
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def interleaved_rounds(
+    systems: list[str], repeats: int, run: Callable[[str], dict], describe: Callable[[dict], str]
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """``run(system)`` for every system in turn, ``repeats`` rounds, so that
+    drift in the machine hits every system alike; a system that fails once
+    (its result holds "error") is not run again. Prints
+    ``describe(result)`` after each run. Returns the results
+    of the systems that ran, by system, and the failures."""
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    failed: dict[str, str] = {}
+    for round_ in range(repeats):
+        for system in systems:
+            if system in failed:
+                continue
+            result = run(system)
+            if "error" in result:
+                failed[system] = result["error"]
+                print(f"  round {round_ + 1} {system}: {result['error']}", flush=True)
+                continue
+            runs[system].append(result)
+            print(f"  round {round_ + 1} {system}: {describe(result)}", flush=True)
+    return {s: rs for s, rs in runs.items() if rs}, failed

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from _ranks import run_local_ranks
+from _ranks import interleaved_rounds, run_local_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ["zcore-ram", "zcore-nvme", "deepspeed-nvme", "zcore-nvme-all", "deepspeed-nvme-all"]
@@ -155,23 +155,12 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     args = parser.parse_args()
 
-    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
-    failed: dict[str, str] = {}
     began = time.perf_counter()
-    for round_ in range(args.repeats):
-        for system in args.systems:
-            if system in failed:
-                continue
-            r = run_system(system, args)
-            if "error" in r:
-                failed[system] = r["error"]
-                print(f"  round {round_ + 1} {system}: {r['error']}", flush=True)
-                continue
-            runs[system].append(r)
-            print(f"  round {round_ + 1} {system}: median {statistics.median(r['step_s']):.2f} s/step, "
-                  f"loss {r['loss']:.4f} ({time.perf_counter() - began:.0f} s in)", flush=True)
-
-    runs = {s: rs for s, rs in runs.items() if rs}
+    runs, failed = interleaved_rounds(
+        args.systems, args.repeats, lambda system: run_system(system, args),
+        lambda r: f"median {statistics.median(r['step_s']):.2f} s/step, loss {r['loss']:.4f} "
+                         f"({time.perf_counter() - began:.0f} s in)",
+    )
     median = {s: statistics.median(t for r in rs for t in r["step_s"]) for s, rs in runs.items()}
     print(f"\nGPT {LAYERS} layers, d_model {D_MODEL} (91.5M parameters), {args.precision}, stage 3, 2 gloo ranks "
           f"x 1 thread, micro-batch {args.micro_batch}; {args.steps} timed steps after {args.warmup} x "

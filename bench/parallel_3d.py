@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _ranks import run_local_ranks
+from _ranks import interleaved_rounds, run_local_ranks
 
 SYSTEMS = ["torch-fsdp2", "zcore-1", "zcore-2", "zcore-3"]
 PP, DP, TP = 2, 2, 2
@@ -162,21 +162,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds over all systems")
     args = parser.parse_args()
 
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-    failed: dict[str, str] = {}
-    for _ in range(args.repeats):
-        for system in SYSTEMS:
-            if system in failed:
-                continue
-            r = run_system(system, args.steps, args.warmup)
-            if "error" in r:
-                failed[system] = r["error"]
-                print(f"  {system}: {r['error']}", flush=True)
-                continue
-            runs[system].append(r)
-            print(f"  {system}: {r['median_ms']:.0f} ms", flush=True)
-
-    runs = {s: rs for s, rs in runs.items() if rs}
+    runs, failed = interleaved_rounds(
+        SYSTEMS, args.repeats, lambda system: run_system(system, args.steps, args.warmup),
+        lambda r: f"{r['median_ms']:.0f} ms",
+    )
     from zcore.demo.gpt import GPT
 
     cfg = _config()

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from _ranks import run_local_ranks
+from _ranks import interleaved_rounds, run_local_ranks
 
 SYSTEMS = [
     "ddp", "fsdp2",
@@ -130,21 +130,10 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     args = parser.parse_args()
 
-    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
-    failed: dict[str, str] = {}
-    for _ in range(args.repeats):
-        for system in args.systems:
-            if system in failed:
-                continue
-            r = run_system(system, args.steps, args.warmup)
-            if "error" in r:
-                failed[system] = r["error"]
-                print(f"  {system}: {r['error']}", flush=True)
-                continue
-            runs[system].append(r)
-            print(f"  {system}: {r['median_ms']:.0f} ms", flush=True)
-
-    runs = {s: rs for s, rs in runs.items() if rs}
+    runs, failed = interleaved_rounds(
+        args.systems, args.repeats, lambda system: run_system(system, args.steps, args.warmup),
+        lambda r: f"{r['median_ms']:.0f} ms",
+    )
     ddp = statistics.median(r["median_ms"] for r in runs["ddp"]) if "ddp" in runs else None
     print(f"\nGPT 23.2M params, fp32, 2 gloo ranks x 1 thread, micro-batch {MICRO_BATCH}, "
           f"{args.steps} timed steps x {args.repeats} round(s)")

@@ -12,7 +12,7 @@ memory beyond the destination is one whole tensor.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,55 +25,49 @@ class RecutParts:
     checkpoint (cut as ``saved_infos`` says) holds cut another way."""
 
     def __init__(self, saved_infos: dict[str, TensorInfo], current: dict[str, TensorInfo]) -> None:
-        self._infos = saved_infos
+        self.saved_infos = saved_infos
         # Each name this engine reads whose saved cut differs: (whole name, how this engine cuts it).
-        self._recut: dict[str, tuple[str, Optional[TensorParallelSplit]]] = {}
+        self.recut: dict[str, tuple[str, Optional[TensorParallelSplit]]] = {}
         for whole, info in current.items():
             theirs = saved_infos.get(whole)
             if theirs is None or theirs.parts == info.parts or theirs.shape != info.shape:
                 continue
             if info.parts is None:
-                self._recut[whole] = (whole, None)
+                self.recut[whole] = (whole, None)
                 continue
             dim, names = info.parts
             for index, name in enumerate(names):
-                self._recut[name] = (whole, TensorParallelSplit(dim, index, len(names)))
+                self.recut[name] = (whole, TensorParallelSplit(dim, index, len(names)))
 
     def infos(self) -> dict[str, TensorInfo]:
         """The saved infos, with this engine's names of recut tensors added
         (in the saved dtype and role)."""
-        infos = dict(self._infos)
-        for name, (whole, _) in self._recut.items():
-            infos.setdefault(name, self._infos[whole])
+        infos = dict(self.saved_infos)
+        for name, (whole, _) in self.recut.items():
+            infos.setdefault(name, self.saved_infos[whole])
         return infos
 
     def source_name(self, name: str) -> str:
         """The saved tensor whose per-tensor records (scalar optimizer
         states) stand for ``name``'s."""
-        if name not in self._recut:
+        if name not in self.recut:
             return name
-        whole = self._recut[name][0]
-        parts = self._infos[whole].parts
+        whole = self.recut[name][0]
+        parts = self.saved_infos[whole].parts
         return whole if parts is None else parts[1][0]
 
     def reading(self, saved: Any) -> RecutReader:
         """A range source (zcore.checkpoint.load.RangeSource) over ``saved``
         that reads this engine's names."""
-        return RecutReader(saved, self._infos, self._recut, self.source_name)
+        return RecutReader(saved, self)
 
 
 class RecutReader:
-    def __init__(
-        self,
-        saved: Any,
-        infos: dict[str, TensorInfo],
-        recut: dict[str, tuple[str, Optional[TensorParallelSplit]]],
-        source_name: Callable[[str], str],
-    ) -> None:
+    def __init__(self, saved: Any, parts: RecutParts) -> None:
         self._saved = saved
-        self._infos = infos
-        self._recut = recut
-        self._source_name = source_name
+        self._parts = parts
+        self._infos = parts.saved_infos
+        self._recut = parts.recut
         self._cached: Optional[tuple[str, Optional[str], torch.Tensor]] = None
 
     def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
@@ -92,7 +86,7 @@ class RecutReader:
         return self._whole(self._recut[name][0], state).dtype
 
     def state_keys(self, name: str) -> list[str]:
-        return self._saved.state_keys(self._source_name(name))
+        return self._saved.state_keys(self._parts.source_name(name))
 
     def read_whole(self, rank: int, kind: str, key: str) -> torch.Tensor:
         return self._saved.read_whole(rank, kind, key)
