@@ -61,14 +61,21 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "comms_logger": (_ANY, "zcore's step metrics time collective waits (wall_clock_breakdown or a monitor)"),
     "autotuning": (_ANY, "not supported"),
     "elasticity": (_ANY, "not supported"),
-    "pipeline": (_ANY, "pipeline parallelism is out of zcore's scope"),
+    "pipeline": (
+        _ANY,
+        "zcore pipelines through zcore.pipelining's PipelineStage and a device_mesh with a \"pp\" "
+        "dimension (README: Pipeline parallelism), not DeepSpeed's PipelineModule",
+    ),
     "compression_training": (_ANY, "not supported"),
     "data_efficiency": (_ANY, "not supported"),
     "curriculum_learning": (_ANY, "not supported"),
     "sparse_attention": (_ANY, "not supported"),
     "checkpoint.load_universal": (False, "zcore checkpoints reload at any world size as they are"),
     "checkpoint.use_node_local_storage": (False, "every rank writes to the one checkpoint directory"),
-    "checkpoint.parallel_write": ({"pipeline_stage": False}, "pipeline parallelism is out of zcore's scope"),
+    "checkpoint.parallel_write": (
+        {"pipeline_stage": False},
+        "each rank of every pipeline stage writes its own shards of one checkpoint already",
+    ),
 }
 
 

@@ -132,7 +132,8 @@ def test_deepspeed_zero3_keys_at_their_defaults_are_accepted():
         ("zero_optimization.stage3_gather_16bit_weights_on_model_save", True, "zcore consolidate"),
         ("checkpoint.tag_validation", "Strict", "'Warn', 'Ignore' or 'Fail'"),
         ("checkpoint.load_universal", True, "reload at any world size"),
-        ("checkpoint.parallel_write", {"pipeline_stage": True}, "pipeline parallelism"),
+        ("checkpoint.parallel_write", {"pipeline_stage": True}, "writes its own shards"),
+        ("pipeline", {"stages": 2}, "zcore.pipelining"),
     ],
 )
 def test_deepspeed_keys_off_their_defaults_are_refused_with_the_reason(path, value, match):
