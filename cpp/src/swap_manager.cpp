@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -77,6 +78,26 @@ std::string host_tag() {
   return out.empty() ? "unknown" : out;
 }
 
+// Whether `name` (a swap file's) was made by a process of this host that is
+// still running: at most a file its creator has not locked yet (note "swap
+// file ownership"), never a leftover. Names: ...-<host>-<pid>-<random>.swp.
+bool made_by_a_live_local_process(const std::string& name) {
+  const std::string body = name.substr(0, name.size() - kSuffix.size());
+  const std::size_t random_dash = body.rfind('-');
+  if (random_dash == std::string::npos || random_dash == 0) return false;
+  const std::size_t pid_dash = body.rfind('-', random_dash - 1);
+  if (pid_dash == std::string::npos) return false;
+  const std::string pid = body.substr(pid_dash + 1, random_dash - pid_dash - 1);
+  if (pid.empty() || pid.size() > 9 ||
+      !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return false;
+  }
+  const std::string host = "-" + host_tag();
+  if (pid_dash < host.size() || body.compare(pid_dash - host.size(), host.size(), host) != 0) return false;
+  const auto owner = static_cast<pid_t>(std::stol(pid));
+  return owner > 0 && (::kill(owner, 0) == 0 || errno == EPERM);
+}
+
 std::uint64_t random_64() {
   try {
     std::random_device device;
@@ -150,7 +171,9 @@ Leftovers remove_leftovers(const std::string& directory) {
   std::vector<std::string> candidates;
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
-    if (is_swap_file_name(name)) candidates.push_back(directory + "/" + name);
+    if (is_swap_file_name(name) && !made_by_a_live_local_process(name)) {
+      candidates.push_back(directory + "/" + name);
+    }
   }
   ::closedir(dir);
   for (const std::string& path : candidates) {

@@ -171,10 +171,12 @@ class OffloadParamConfig(_OffloadSection):
 class AioConfig(Section):
     """The asynchronous I/O engine behind NVMe offload (DeepSpeed's "aio")."""
 
-    # Bytes per I/O request: a multiple of 4096, which O_DIRECT needs.
-    block_size: int = Field(1_048_576, gt=0)
-    queue_depth: int = Field(8, gt=0)  # requests in flight per worker thread
-    intra_op_parallelism: int = Field(1, ge=1)  # worker threads sharing each read or write
+    # Bytes per I/O request: a multiple of 4096, which O_DIRECT needs, and
+    # at most 1 GiB (Linux moves at most 2 GiB - 4 KiB per request).
+    block_size: int = Field(1_048_576, gt=0, le=1 << 30)
+    # The I/O engine's bounds (zcore/aio_engine.h).
+    queue_depth: int = Field(8, gt=0, le=1024)  # requests in flight per worker thread
+    intra_op_parallelism: int = Field(1, ge=1, le=64)  # worker threads sharing each read or write
 
     @field_validator("block_size")
     @classmethod

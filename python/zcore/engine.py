@@ -25,6 +25,7 @@ from zcore.comm import DistributedContext
 from zcore.config import Config
 from zcore.errors import DiskIOError, InvalidStateError
 from zcore.flops_profiler import FlopsProfiler, FlopsReport, ProfilerState
+from zcore.grad_reduction import GradientReducer
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
 from zcore.monitors import close_all, open_monitors
@@ -154,6 +155,7 @@ class Engine:
         # An optimizer step that failed part-way (a disk full during a
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
+        self._destroyed = False  # destroy() ran: swap files and buffers are gone
         # DeepSpeed's flops profiler, at one step (zcore.flops_profiler).
         self.flops_profiler: Optional[FlopsProfiler] = None
         self.flops_report: Optional[FlopsReport] = None
@@ -276,15 +278,41 @@ class Engine:
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
         try:
             result = run()
+            if end_step:
+                self.residency.after_backward()
+            reducer.end_backward()
         except BaseException as exc:
-            self.residency.abort_after(exc)
-            if isinstance(exc, DiskIOError):
-                self._broken = f"the backward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+            self._abort_backward(reducer, exc)
             raise
-        if end_step:
-            self.residency.after_backward()
-        reducer.end_backward()
         return result
+
+    def _abort_backward(self, reducer: GradientReducer, exc: BaseException) -> None:
+        """A backward raised ``exc``: its gathers end, and the accumulation
+        window's gradients are dropped (some of this micro-batch's were
+        reduced, others not), so that training can go on from the next
+        micro-batch. A disk error breaks the engine instead (what reached
+        the disk is unknown)."""
+        self.residency.abort_after(exc)
+        cause = exc if isinstance(exc, DiskIOError) else None
+        try:
+            reducer.discard_window()
+        except BaseException as failed:  # noqa: BLE001 - noted on exc, the error the caller sees
+            exc.add_note(f"dropping the window's gradients then failed too: {type(failed).__name__}: {failed}")
+            cause = cause or failed
+        if cause is not None:
+            self._broken = f"the backward after step {self.global_steps} failed ({type(cause).__name__}: {cause})"
+            return
+        dropped = self.accumulated_micro_steps
+        if self.metrics is not None:
+            self.metrics.drop_losses()
+        self.micro_steps -= dropped
+        self.accumulated_micro_steps = 0
+        self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+        earlier = f" and of the {dropped} before it in its accumulation window" if dropped else ""
+        log.warning(
+            "backward raised %s: the gradients of this micro-batch%s are dropped; the next backward "
+            "starts the window again", type(exc).__name__, earlier,
+        )
 
     def step(self) -> None:
         """Steps the optimizer at an accumulation boundary; counts the micro-step."""
@@ -398,7 +426,15 @@ class Engine:
                 )
             raise
 
+    def _refuse_if_destroyed(self) -> None:
+        if self._destroyed:
+            raise InvalidStateError(
+                "this engine was destroyed: engine.destroy() removed its swap files and released its "
+                "buffers. Build a new engine with zcore.initialize (and load a checkpoint to go on)"
+            )
+
     def _refuse_if_broken(self) -> None:
+        self._refuse_if_destroyed()
         if self._broken is not None:
             raise InvalidStateError(
                 f"this engine cannot continue: {self._broken[:2000]}, so its parameters and optimizer "
@@ -452,6 +488,9 @@ class Engine:
         """Waits for pending writes and removes this rank's swap files
         (parameters and optimizer states on NVMe are then gone); the engine
         cannot train after it. Also done when the process exits."""
+        if self._destroyed:
+            return
+        self._destroyed = True
         try:
             if self._broken is None:  # else its failure was raised already
                 self._finish_step()
@@ -492,6 +531,7 @@ class Engine:
         """Loads a checkpoint saved at any world size, stage or offload
         setting (the tag in ``load_dir/latest`` by default). Returns (tag
         directory, client_state), or (None, None) when there is no latest."""
+        self._refuse_if_destroyed()
         try:
             self._finish_step()
         except Exception:  # noqa: BLE001 - the engine is broken (self._broken) until a full load below
@@ -518,6 +558,7 @@ class Engine:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an
         empty dict on the other ranks. Call it on every rank."""
+        self._refuse_if_destroyed()
         self._finish_step()
         return checkpoint.full_state_dict(self, dtype)
 
@@ -525,5 +566,6 @@ class Engine:
         """Bytes per rank held for parameters, gradients, optimizer states and
         buffers on each tier (device, host, NVMe): measured, beside what the
         stage's layout and the offload policy predict."""
+        self._refuse_if_destroyed()
         self._finish_step()
         return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device)

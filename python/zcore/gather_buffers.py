@@ -90,6 +90,13 @@ class GatherBuffers:
     def take(self, group: int, allow_compaction: bool) -> tuple[torch.Tensor, bool]:
         """A buffer for ``group``; True with it when the arena compacted (so
         every other block moved: re-derive their views)."""
+        # Never an inference tensor, nor a view made in inference mode: a
+        # buffer gathered under torch.inference_mode() (an evaluation) may
+        # stay gathered for a training forward, which saves it for backward.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._take(group, allow_compaction)
+
+    def _take(self, group: int, allow_compaction: bool) -> tuple[torch.Tensor, bool]:
         g = self.groups[group]
         nbytes = self._nbytes(group)
         moved = False

@@ -156,6 +156,27 @@ class GradientReducer:
     def end_window(self) -> None:
         self.window_used = [[0] * len(u.params) for u in self.units]
 
+    def discard_window(self) -> None:
+        """After a backward that raised: forgets every gradient of the
+        accumulation window, so that the next backward starts a new one.
+        Reductions already started are waited for (the other ranks issued
+        them too), their results dropped; a failure waiting is raised once
+        all is forgotten."""
+        failure: BaseException | None = None
+        try:
+            self._drop_unreduced()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the window is forgotten
+            failure = exc
+        self.tracker.reset()
+        self._late_unit = None
+        self.end_window()
+        try:
+            self.zero_grads()
+        except BaseException as exc:  # noqa: BLE001 - as above
+            failure = failure or exc
+        if failure is not None:
+            raise failure
+
     # Policy-specific parts.
     def _reduces_this_micro_step(self) -> bool:
         raise NotImplementedError
@@ -167,6 +188,11 @@ class GradientReducer:
         raise NotImplementedError
 
     def _retire_all(self) -> None:
+        raise NotImplementedError
+
+    def _drop_unreduced(self) -> None:
+        """Waits for the reductions in flight without using their results,
+        and forgets what was accumulated but not yet reduced."""
         raise NotImplementedError
 
     def grad_shard(self, unit: int) -> torch.Tensor:
@@ -241,6 +267,13 @@ class AccumulateThenReduce(GradientReducer):
             self.shards[u].copy_(out).div_(self.world_size)
         self._pending.clear()
         if self.boundary and self.sharded:
+            for a in self.acc:
+                a.zero_()
+
+    def _drop_unreduced(self) -> None:
+        try:
+            _wait_all(self._pending)
+        finally:
             for a in self.acc:
                 a.zero_()
 
@@ -326,6 +359,10 @@ class ReduceScatterEveryMicroStep(GradientReducer):
             self._retire(entry)
         self._pending.clear()
 
+    def _drop_unreduced(self) -> None:
+        self.buckets = [None] * len(self.units)
+        _wait_all(self._pending)
+
     def grad_shard(self, unit: int) -> torch.Tensor:
         return self.grads.get(unit)
 
@@ -340,3 +377,18 @@ class ReduceScatterEveryMicroStep(GradientReducer):
 
     def close(self) -> None:
         self.grads.close()
+
+
+def _wait_all(pending: list[tuple[int, torch.Tensor, torch.Tensor, object]]) -> None:
+    """Waits for every work in ``pending`` and empties it; the first failure
+    is raised after the others are waited for."""
+    failure: BaseException | None = None
+    for _, _, _, work in pending:
+        try:
+            if work is not None:
+                work.wait()
+        except BaseException as exc:  # noqa: BLE001 - the first is raised below
+            failure = failure or exc
+    pending.clear()
+    if failure is not None:
+        raise failure

@@ -97,9 +97,11 @@ class SwappedGradients:
         return torch.tensor(sum(self._squares.values()), dtype=torch.float64)
 
     def zero(self) -> None:
-        self._finish_writes()
-        self._written.clear()
-        self._squares.clear()
+        try:
+            self._finish_writes()
+        finally:  # a failed write's values are gone either way
+            self._written.clear()
+            self._squares.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         return []  # on NVMe between steps
@@ -131,9 +133,17 @@ class SwappedGradients:
             self.swap.wait(oldest)
 
     def _finish_writes(self) -> None:
+        """Waits for every write in flight (their buffers stay alive until
+        then), raising the first failure once all are done."""
+        failure: BaseException | None = None
         while self._writing:
             unit, _ = self._writing.popitem(last=False)
-            self.swap.wait(unit)
+            try:
+                self.swap.wait(unit)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 GradientShards = ResidentGradients | SwappedGradients

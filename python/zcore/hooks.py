@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -49,19 +50,25 @@ def register_gradient_hooks(units: list[Unit], reducer: GradientReducer) -> list
     handles = []
     for u, unit in enumerate(units):
         for i, param in enumerate(unit.params):
-            hook = functools.partial(reducer.on_grad, u, i)
+            hook = functools.partial(_call_weakly, weakref.WeakMethod(reducer.on_grad), u, i)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
 
 
 def register_backward_exit_hooks(fetcher: ParamFetcher) -> list:
     """Stage 3, note "backward without input gradients"."""
-    return [
-        p.register_post_accumulate_grad_hook(fetcher.grad_accumulated)
-        for g in fetcher.groups
-        if g.trainable
-        for p in g.params
-    ]
+    hook = functools.partial(_call_weakly, weakref.WeakMethod(fetcher.grad_accumulated))
+    return [p.register_post_accumulate_grad_hook(hook) for g in fetcher.groups if g.trainable for p in g.params]
+
+
+def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
+    """``method(*args)`` while its object lives. A parameter's hooks are
+    held from C++, where the garbage collector cannot see a cycle through
+    them back to the parameter: a strong reference would keep an engine
+    dropped without destroy() alive, its swap files too, until exit."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 def register_module_hooks(fetcher: ParamFetcher, modules: dict[int, torch.nn.Module]) -> list:

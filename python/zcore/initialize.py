@@ -470,7 +470,7 @@ def _swapped_master(units: list[Unit], offload: OffloadPolicy) -> SwappedMaster:
         offload.optimizer_swap.open,
         "optimizer", swap_capacity(sub_groups), offload.optimizer_buffers * (largest + PAGE_ALIGNMENT),
     )
-    return SwappedMaster(units, sub_groups, open_swap)
+    return SwappedMaster(units, sub_groups, open_swap, read_ahead=offload.read_ahead)
 
 
 def _update(

@@ -8,6 +8,7 @@ to whatever needs them; code below it asks a policy (``stage.shards_parameters``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
@@ -222,7 +223,9 @@ def _mics_size(size: int, world: int) -> int:
 def _swap_space(cfg: Config, section: str) -> SwapSpace:
     path = getattr(cfg.zero_optimization, section).nvme_path
     assert path is not None  # the config requires nvme_path with device "nvme"
+    # Resolved now: a relative path would follow the script into the next
+    # os.chdir(), away from the swap files it holds.
     return SwapSpace(
-        path, f"zero_optimization.{section}.nvme_path",
+        os.path.abspath(path), f"zero_optimization.{section}.nvme_path",
         cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.intra_op_parallelism,
     )

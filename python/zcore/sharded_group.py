@@ -58,7 +58,10 @@ class ShardedGroup:
             self.offsets.append(total)
             total += n
         self.numel = total
-        self.padded_numel = -(-total // num_shards) * num_shards
+        # At least one element per shard: a module whose parameters are all
+        # empty still forms a group, and the coordinator and collectives take
+        # no empty one (the padding is never read).
+        self.padded_numel = max(-(-total // num_shards), 1) * num_shards
         self.shard_numel = self.padded_numel // num_shards
         self.shard_start = shard_index * self.shard_numel
         self.pieces: list[Piece] = pieces_of(

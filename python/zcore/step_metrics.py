@@ -162,6 +162,11 @@ class StepMetrics:
     def loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach())
 
+    def drop_losses(self) -> None:
+        """The losses of an accumulation window whose gradients were dropped
+        (its micro-batches run again); its time and tokens still count."""
+        self._losses.clear()
+
     def end_step(
         self,
         *,

@@ -94,9 +94,15 @@ class SwappedMaster:
     """What MasterShards is for the in-memory optimizer, with the values on
     NVMe: the units, and one placeholder piece per piece of a unit."""
 
-    def __init__(self, units: list[Unit], sub_groups: list[SubGroup], open_swap: Callable[[], SwapManager]) -> None:
-        """``open_swap()``: a new, empty swap file for the sub-groups."""
+    def __init__(
+        self, units: list[Unit], sub_groups: list[SubGroup], open_swap: Callable[[], SwapManager],
+        read_ahead: bool = True,
+    ) -> None:
+        """``open_swap()``: a new, empty swap file for the sub-groups.
+        ``read_ahead``: whether reading the states may hold two sub-groups
+        (offload_optimizer.pipeline_read, which the host buffers are sized for)."""
         self.units = units
+        self.read_ahead = read_ahead
         self._open_swap = open_swap
         self.swap = open_swap()
         self.sub_groups = sub_groups
@@ -119,20 +125,23 @@ class SwappedMaster:
         piece that spans several of them."""
         subs = {s.key: s for s in self.sub_groups if s.numel > 0}
         partial: dict[tuple[int, int], torch.Tensor] = {}
-        for key, states in self.swap.stream(subs, write_back=False):
+        for key, states in self.swap.stream(subs, write_back=False, read_ahead=self.read_ahead):
             sub = subs[key]
-            view = states.view(STATES, sub.numel)
             for run in sub.runs:
                 meta = self.units[run.unit].pieces[run.piece]
-                part = view[:, run.offset : run.offset + run.numel]
+                part = states.view(STATES, sub.numel)[:, run.offset : run.offset + run.numel]
                 if run.numel == meta.numel:
-                    yield run.unit, run.piece, part
+                    # A copy: the stream's host buffers are counted for its
+                    # reads alone, and the consumer may hold this one while
+                    # the next sub-group is read.
+                    yield run.unit, run.piece, part.clone()
                     continue
                 whole = partial.setdefault((run.unit, run.piece), torch.empty(STATES, meta.numel))
                 start = run.unit_start - meta.shard_start
                 whole[:, start : start + run.numel].copy_(part)
                 if start + run.numel == meta.numel:
                     yield run.unit, run.piece, partial.pop((run.unit, run.piece))
+            del states, part  # before the stream reads the next sub-group
 
     def read_units(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(unit, master)`` for every unit in order (as collectives need
@@ -335,6 +344,9 @@ class SwappedAdamUpdate(TorchUpdate):
                 if out is not self.shards.resident(units[u]):
                     self.shards.write(units[u], out)
                 report(u)
+            # The stream reads the next sub-group into host buffers this one
+            # would still hold (buffer_count counts those in flight only).
+            del states
         for (u, k) in steps:
             self.inner.state[pieces[u][k]]["step"] += 1
 

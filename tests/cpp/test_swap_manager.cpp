@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -487,6 +488,23 @@ TEST_F(SwapTest, SwapFileWhoseLockIsHeldIsLeftAlone) {
   SwapManager swap(config(1 << 20));
   EXPECT_EQ(swap.leftovers_removed(), std::vector<std::string>{held});
   EXPECT_EQ(swap.stats().leftover_bytes_removed, 4096u);
+}
+
+TEST_F(SwapTest, AnUnlockedFileOfALiveProcessOfThisHostIsNoLeftover) {
+  // What another rank's constructor sees between creating its file and locking it.
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  std::string tag;
+  for (const char* p = host; *p != '\0' && tag.size() < 32; ++p) {
+    tag += std::isalnum(static_cast<unsigned char>(*p)) || *p == '_' || *p == '-' ? *p : '_';
+  }
+  const std::string mine = write_file(
+      "zcore-swap-optimizer-rank1-" + tag + "-" + std::to_string(::getpid()) + "-0123456789abcdef.swp", 0);
+  const std::string elsewhere = write_file(
+      "zcore-swap-optimizer-rank1-not" + tag + "-" + std::to_string(::getpid()) + "-0123456789abcdef.swp", 10);
+  SwapManager swap(config(1 << 20));
+  EXPECT_TRUE(fs::exists(mine));
+  EXPECT_EQ(swap.leftovers_removed(), std::vector<std::string>{elsewhere});
 }
 
 TEST_F(SwapTest, OnlyRegularFilesNamedLikeSwapFilesAreSwept) {

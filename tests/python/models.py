@@ -185,6 +185,29 @@ class Revisits(nn.Module):
         return x[:, :4]
 
 
+class EmptyPrefix(nn.Module):
+    """A prefix table configured with no rows: its only parameter has no
+    elements, so its ZeRO-3 group holds nothing but padding."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(0, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.table.sum(0)
+
+
+class EmptyTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.prefix = EmptyPrefix(32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.prefix(torch.tanh(self.inp(x))))
+
+
 MODELS = {
     "gpt": TinyGPT,
     # The same weights, each block under torch.utils.checkpoint.
@@ -197,6 +220,7 @@ MODELS = {
     "side": SideInputs,
     "revisits": Revisits,
     "norm": NormMLP,
+    "empty": EmptyTable,
 }
 
 

@@ -329,6 +329,17 @@ def test_aio_block_sizes_that_are_multiples_of_4096_are_accepted(block_size):
     assert load_config(with_key("aio.block_size", block_size)).aio.block_size == int(block_size)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "bound"),
+    [("block_size", (1 << 30) + 4096, 1 << 30), ("block_size", 1 << 40, 1 << 30),
+     ("queue_depth", 1025, 1024), ("intra_op_parallelism", 65, 64)],
+)
+def test_aio_values_past_what_the_io_engine_takes_are_refused_naming_the_key(key, value, bound):
+    with pytest.raises(zcore.ConfigError, match=rf"aio.{key}: .*less than or equal to {bound}"):
+        load_config(with_key(f"aio.{key}", value))
+    assert getattr(load_config(with_key(f"aio.{key}", bound)).aio, key) == bound
+
+
 def test_aio_null_is_deepspeeds_defaults():
     assert load_config({**BASE, "aio": None}).aio == load_config(BASE).aio
 

@@ -311,8 +311,8 @@ SCHEMA = Section({
         **{k: deepspeed_default(False) for k in ("round_robin_gradients", "elastic_checkpoint", "cpu_offload")},
     }),
     "aio": Section({
-        "block_size": multiple_of(4096, integer(1)), "queue_depth": integer(1),
-        "intra_op_parallelism": integer(1), "single_submit": deepspeed_default(False),
+        "block_size": multiple_of(4096, integer(1, 1 << 30)), "queue_depth": integer(1, 1024),
+        "intra_op_parallelism": integer(1, 64), "single_submit": deepspeed_default(False),
         "overlap_events": deepspeed_default(True),
         "use_gds": deepspeed_default(False),
         "thread_count": either(deepspeed_default(1), deepspeed_default(1.0)),

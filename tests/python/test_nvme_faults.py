@@ -15,7 +15,12 @@ fails or unmounts it itself.
 - A read-only or missing nvme_path is a DiskIOError at zcore.initialize
   naming the config key, the path and the cause; swap files that vanish
   mid-run (deleted, or the filesystem unmounted) are a SwapFileLostError at
-  the next step or forward, after which the engine refuses to go on.
+  the next step or forward (or backward, for the gradients' file), after
+  which the engine refuses to go on and to save, until a checkpoint is
+  loaded into it.
+- Lifetime: a relative nvme_path stays where it was at initialize when the
+  script changes directory; an engine dropped without destroy() takes its
+  swap files with it once collected; a destroyed engine says so when used.
 """
 
 from __future__ import annotations
@@ -342,3 +347,156 @@ def test_a_vanished_swap_directory_is_lost_at_the_next_forward(nvme_tmpfs: Path,
     assert out["next"]["details"]["path"] in out["files"]
     assert out["after"]["error"] == "InvalidStateError" and "cannot continue" in out["after"]["message"]
     assert out["destroy"]["error"] is None, out["destroy"]
+
+
+
+# 4. Lifetime, and what a broken engine can still do.
+def train_on(engine, first: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        losses.append(forward_backward(engine, step))
+        engine.step()
+    return losses
+
+
+def stage_2_on_nvme(nvme: str) -> dict:
+    config = nvme_config(nvme, params=False)
+    config["zero_optimization"]["stage"] = 2
+    return config
+
+
+def gradient_file_vanishes(rank, world, nvme: str, checkpoints: str) -> dict:
+    engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=stage_2_on_nvme(nvme))
+    train(engine, 1)
+    (lost,) = [path for path in swap_files(nvme) if "-gradients-" in os.path.basename(path)]
+    os.remove(lost)
+    out = {"lost": lost, "backward": outcome(lambda: forward_backward(engine, 1))}
+    out["next"] = outcome(lambda: forward_backward(engine, 1))
+    out["save"] = outcome(lambda: engine.save_checkpoint(checkpoints))
+    engine.destroy()
+    out["left"] = os.listdir(nvme)
+    return out
+
+
+def test_a_vanished_gradient_swap_file_breaks_the_engine_at_the_backward(tmp_path: Path) -> None:
+    """Stage 2: the gradient shards go to NVMe during backward, and the
+    writes that find the file gone fail at the backward's end."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = run_ranks(gradient_file_vanishes, 1, str(nvme), str(tmp_path / "ckpt"), launcher=False, timeout=120)[0]
+    assert out["backward"]["error"] == "SwapFileLostError", out["backward"]
+    assert out["backward"]["details"]["path"] == out["lost"]
+    for refused in (out["next"], out["save"]):
+        assert refused["error"] == "InvalidStateError", refused
+        assert "cannot continue" in refused["message"] and "SwapFileLostError" in refused["message"]
+    assert not (tmp_path / "ckpt").exists()
+    assert out["left"] == []
+
+
+def disk_full_at_the_backward(rank, world, nvme: str, checkpoints: str) -> dict:
+    engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=stage_2_on_nvme(nvme))
+    engine.save_checkpoint(checkpoints, tag="start")
+    filler = os.path.join(nvme, "filler")
+    fill_up(filler)
+    out = {"backward": outcome(lambda: forward_backward(engine, 0))}
+    out["next"] = outcome(lambda: forward_backward(engine, 0))
+    os.remove(filler)
+    engine.load_checkpoint(checkpoints, tag="start")
+    out["after_load"] = train(engine, 2)
+    engine.destroy()
+    fresh, _, _, _ = zcore.initialize(model=make_model(MODEL), config=stage_2_on_nvme(nvme))
+    fresh.load_checkpoint(checkpoints, tag="start")
+    out["fresh"] = train(fresh, 2)
+    fresh.destroy()
+    return out
+
+
+def test_a_full_disk_at_the_backward_breaks_the_engine_until_a_checkpoint_is_loaded(
+    nvme_tmpfs: Path, tmp_path: Path
+) -> None:
+    """The gradient file takes its blocks as the first backward writes it:
+    a disk full by then fails that backward. Once space is freed, the last
+    checkpoint loaded into the same engine replaces every state, and it
+    trains on exactly as a new engine loading that checkpoint does."""
+    out = run_ranks(
+        disk_full_at_the_backward, 1, str(nvme_tmpfs), str(tmp_path / "ckpt"), launcher=False, timeout=120
+    )[0]
+    assert out["backward"]["error"] == "DiskFullError", out["backward"]
+    assert out["next"]["error"] == "InvalidStateError" and "DiskFullError" in out["next"]["message"]
+    assert out["after_load"] == out["fresh"]
+
+
+def relative_path_then_chdir(rank, world, base: str) -> dict:
+    os.chdir(base)
+    os.mkdir("swap")
+    engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=nvme_config("swap"))
+    losses = train(engine, 1)
+    os.mkdir("elsewhere")
+    os.chdir("elsewhere")
+    losses += train_on(engine, 1, 2)
+    files = [os.path.basename(p) for p in swap_files(os.path.join(base, "swap"))]
+    engine.destroy()
+    return {"losses": losses, "files": files, "left": os.listdir(os.path.join(base, "swap"))}
+
+
+def test_a_relative_nvme_path_stays_where_it_was_at_initialize(tmp_path: Path) -> None:
+    out = run_ranks(relative_path_then_chdir, 1, str(tmp_path), launcher=False, timeout=120)[0]
+    reference = run_ranks(train_in_a_directory, 1, str(tmp_path / "absolute"), launcher=False, timeout=120)[0]
+    assert len(out["files"]) == 3, out["files"]  # parameters, gradients, optimizer states
+    assert out["losses"] == reference
+    assert out["left"] == [] and not (tmp_path / "elsewhere" / "swap").exists()
+
+
+def train_in_a_directory(rank, world, nvme: str) -> list[float]:
+    os.makedirs(nvme)
+    engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=nvme_config(nvme))
+    losses = train(engine, 3)
+    engine.destroy()
+    return losses
+
+
+def dropped_engines(rank, world, nvme: str) -> dict:
+    import gc
+    import weakref
+
+    left = {}
+    for stage in (2, 3):
+        config = nvme_config(nvme, params=stage == 3)
+        config["zero_optimization"]["stage"] = stage
+        engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=config)
+        train(engine, 2)
+        during = len(swap_files(nvme))
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        left[stage] = {"during": during, "collected": gone() is None, "after": swap_files(nvme)}
+    return left
+
+
+def test_an_engine_dropped_without_destroy_takes_its_swap_files_when_collected(tmp_path: Path) -> None:
+    out = run_ranks(dropped_engines, 1, str(tmp_path), launcher=False, timeout=120)[0]
+    for stage, left in out.items():
+        assert left["during"] >= 2 and left["collected"], (stage, left)
+        assert left["after"] == [], (stage, left)
+
+
+def destroyed_engine(rank, world, nvme: str, checkpoints: str) -> dict:
+    engine, _, _, _ = zcore.initialize(model=make_model(MODEL), config=nvme_config(nvme))
+    train(engine, 1)
+    engine.destroy()
+    return {
+        "again": outcome(engine.destroy),
+        "forward": outcome(lambda: forward_backward(engine, 1)),
+        "step": outcome(engine.step),
+        "save": outcome(lambda: engine.save_checkpoint(checkpoints)),
+        "load": outcome(lambda: engine.load_checkpoint(checkpoints)),
+        "state_dict": outcome(engine.full_state_dict),
+        "memory": outcome(engine.memory_report),
+    }
+
+
+def test_a_destroyed_engine_says_so_when_used(tmp_path: Path) -> None:
+    out = run_ranks(destroyed_engine, 1, str(tmp_path), str(tmp_path / "ckpt"), launcher=False, timeout=120)[0]
+    assert out.pop("again")["error"] is None
+    for use, got in out.items():
+        assert got["error"] == "InvalidStateError" and "was destroyed" in got["message"], (use, got)

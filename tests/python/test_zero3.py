@@ -2,7 +2,8 @@
 the same global batches (loss at every step, final parameters, 1e-5 relative
 over 20 steps), at world sizes 1 to 4, on the tiny GPT with a tied LM head
 and on a model with a layer called twice, a frozen submodule, a branch taken
-on some steps and a parameter used outside its module; with prefetch on and
+on some steps and a parameter used outside its module, and on a model with
+a module whose only parameter has no elements; with prefetch on and
 off, a live budget that forces releases, accumulation and clipping, and CPU
 optimizer offload. The forced-release variant also checks that gathered
 memory stays within persistent + live budget + prefetch bucket."""
@@ -25,6 +26,7 @@ VARIANTS = [
     ("persistent", "gpt", 1, 0.0, False, {}),
     ("mixed use", "mix", 1, 0.0, False, ON_DEMAND),
     ("mixed use, tight", "mix", 2, 0.05, False, TIGHT),
+    ("a module of empty parameters", "empty", 1, 0.0, False, ON_DEMAND),
 ]
 
 

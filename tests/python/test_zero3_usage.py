@@ -1,5 +1,6 @@
 """ZeRO-3 beyond the training loop: generation on ranks that finish at
-different lengths, GatheredParameters, construction on the meta device, the
+different lengths, GatheredParameters, an evaluation under
+torch.inference_mode() before training, construction on the meta device, the
 saved-tensor hooks that keep backward reading the right bytes, departures
 from the trace, and a forward that fails."""
 
@@ -95,6 +96,46 @@ def test_generation_and_gathered_parameters_on_two_ranks():
         assert torch.equal(got["modified"], torch.ones_like(got["modified"])), rank
         assert torch.equal(got["master"], got["local_shard"]) and bool((got["master"] == 1).all())
     assert len({len(t) for r in results for t in r["tokens"]}) > 2  # lengths differ
+
+
+def evaluate_then_train(rank, world, nvme):
+    """The engine's first forwards run under torch.inference_mode(), with the
+    default persistence threshold: the small groups they gather stay
+    gathered for the training forwards that follow."""
+    zero = {"stage": 3}
+    if nvme:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}
+    config = {**stage3_config(), "zero_optimization": zero}
+    engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
+    x, y = PROMPTS[2 * rank : 2 * rank + 2, :3], PROMPTS[2 * rank : 2 * rank + 2, 1:]
+    with torch.inference_mode():
+        evaluated = engine(x).float()
+    losses = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return evaluated, losses
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_an_evaluation_under_inference_mode_before_training(nvme, tmp_path):
+    results = run_ranks(evaluate_then_train, 2, str(tmp_path) if nvme else None, timeout=300)
+    model = make_model("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with torch.inference_mode():
+        for rank, (evaluated, _) in enumerate(results):
+            assert torch.allclose(evaluated, model(PROMPTS[2 * rank : 2 * rank + 2, :3]), atol=1e-6), rank
+    x, y = PROMPTS[:, :3], PROMPTS[:, 1:]
+    for step in range(3):
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = sum(r[1][step] for r in results) / 2
+        assert abs(mean - loss.item()) <= 1e-5 * loss.item(), step
 
 
 class PartlyUsed(nn.Linear):

@@ -12,7 +12,9 @@ import os
 
 import pytest
 
+import zcore
 from distributed import run_ranks
+from models import global_batch, loss_of, make_model
 from training import (
     ON_DEMAND,
     TIGHT,
@@ -124,3 +126,51 @@ def test_bf16_with_states_on_nvme_matches_the_mixed_precision_reference(tmp_path
     for stage, got in results[0].items():
         assert got["update"] == "SwappedAdamUpdate" and got["skipped_steps"] == 0
         assert_matches(got, ref, 2e-4, f"bf16 stage {stage}", 8 * 2.0**-8)
+
+
+
+PIPELINES = [(True, True), (True, False), (False, True), (False, False)]
+
+
+def train_steps(engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = global_batch("gpt", step, engine.train_batch_size())
+        loss = loss_of("gpt", engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run_fewest_buffers(rank, world, path):
+    """Each pipeline setting with the fewest buffers initialize accepts
+    (every step streams sub-groups larger than the buffers' alignment
+    slack): 4 steps, a checkpoint after 2 that a new engine loads and
+    trains on from."""
+    out = {}
+    ckpt = os.path.join(path, "checkpoints")
+    for read, write in PIPELINES:
+        nvme = {"device": "nvme", "nvme_path": path, "pipeline_read": read, "pipeline_write": write,
+                "buffer_count": 1 + read + write}
+        for stage in (2, 3):
+            config = zcore_config(stage, 1, 0.0, zero={**ON_DEMAND, "offload_optimizer": nvme, **SMALL_SUB_GROUPS})
+            engine, _, _, _ = zcore.initialize(model=make_model("gpt"), config=config)
+            losses = train_steps(engine, range(2))
+            engine.save_checkpoint(ckpt, tag=f"{stage}-{read}-{write}")
+            losses += train_steps(engine, range(2, 4))
+            engine.destroy()
+            again, _, _, _ = zcore.initialize(model=make_model("gpt"), config=config)
+            again.load_checkpoint(ckpt, tag=f"{stage}-{read}-{write}")
+            out[f"stage {stage}, read {read}, write {write}"] = (losses, train_steps(again, range(2, 4)))
+            again.destroy()
+    return out
+
+
+def test_every_pipeline_setting_trains_and_checkpoints_with_the_fewest_buffers_initialize_accepts(tmp_path):
+    results = run_ranks(run_fewest_buffers, 1, str(tmp_path), launcher=False, timeout=600)[0]
+    ref = train_reference("gpt", 0.0, 4, 1, 1)["losses"]
+    for label, (losses, resumed) in results.items():
+        for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
+            assert abs(a - b) <= TOLERANCE * abs(b), f"{label}: step {step} loss {a} vs {b}"
+        assert resumed == losses[2:], label

@@ -26,8 +26,10 @@
 //   - The constructor first removes leftovers: files named zcore-swap-*.swp
 //     that nobody holds the lock of (their manager's process died). A file
 //     whose lock is held is a live manager's and is left alone, as are
-//     symlinks, directories and every other name. leftovers_removed() lists
-//     what was removed; stats().leftover_bytes_removed counts the bytes.
+//     symlinks, directories and every other name, and files named by a live
+//     process of this host (at most one not locked yet, below).
+//     leftovers_removed() lists what was removed;
+//     stats().leftover_bytes_removed counts the bytes.
 //   - A file is created, then locked, then checked to be still there: a
 //     constructor sweeping in between (it saw an unlocked file) makes this one
 //     try a new name rather than use a removed file.
