@@ -33,14 +33,19 @@ def consolidate(args: argparse.Namespace) -> int:
     import torch
 
     from zcore.checkpoint import consolidate as write
+    from zcore.errors import ZcoreError
 
-    files = write(
-        args.checkpoint,
-        args.output,
-        tag=args.tag,
-        dtype=getattr(torch, _DTYPES[args.dtype]),
-        max_shard_bytes=args.max_shard_size,
-    )
+    try:
+        files = write(
+            args.checkpoint,
+            args.output,
+            tag=args.tag,
+            dtype=getattr(torch, _DTYPES[args.dtype]),
+            max_shard_bytes=args.max_shard_size,
+        )
+    except (ZcoreError, OSError) as exc:  # a bad checkpoint or output directory: the message says which
+        print(f"zcore consolidate: {exc}", file=sys.stderr)
+        return 1
     for path in files:
         print(path)
     return 0

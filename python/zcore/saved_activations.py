@@ -2,7 +2,9 @@
 of the step metrics (zcore.step_metrics).
 
 Counted in a saved-tensor pack hook, each storage once (a saved view keeps
-its whole storage alive), without the parameters' storages: stages 0-2
+its whole storage alive; a storage freed since, as the user's pack hook may
+free what it replaces, lets a new one take its address), without the
+parameters' storages: stages 0-2
 parameters view their flat unit, and in stage 3 zcore's own hooks keep
 parameters and their views from reaching this one. The user's saved-tensor
 hooks in force around ``engine(x)`` still apply: every tensor goes on to
@@ -15,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import weakref
+
 import torch
 
 from zcore.saved_views import UserPacked, hooks_in_force
@@ -24,7 +28,7 @@ class SavedActivations:
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
         self._parameters: set[int] = set()  # storage addresses
-        self._seen: set[int] = set()
+        self._seen: dict[int, weakref.ref] = {}  # storage address -> the storage counted there
         self._outer: Optional[tuple[Any, Any]] = None
         self.bytes = 0  # the current (or last) forward's
         self.peak = 0  # the largest forward's since ``reset``
@@ -51,8 +55,9 @@ class SavedActivations:
         if t.layout == torch.strided and not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
             address = storage.data_ptr()
-            if address not in self._parameters and address not in self._seen:
-                self._seen.add(address)
+            counted = self._seen.get(address)
+            if address not in self._parameters and (counted is None or counted() is None):
+                self._seen[address] = weakref.ref(storage)
                 self.bytes += storage.nbytes()
         if self._outer is None:
             return t

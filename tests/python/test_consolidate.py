@@ -1,6 +1,8 @@
 """Consolidation of a sharded checkpoint: ``zcore consolidate`` and
-``engine.full_state_dict()`` give exactly the gathered parameters, and
-consolidation streams (peak memory near twice the largest tensor)."""
+``engine.full_state_dict()`` give exactly the gathered parameters,
+consolidation streams (peak memory near twice the largest tensor), a new
+consolidation replaces an earlier one in the same directory whole, and
+the command's errors are one line each."""
 
 from __future__ import annotations
 
@@ -76,6 +78,43 @@ def test_bf16_output_split_files_and_the_command(tmp_path: Path) -> None:
     zcore_cli = Path(sys.executable).with_name("zcore")
     help_text = subprocess.run([str(zcore_cli), "consolidate", "--help"], capture_output=True, text=True, timeout=120)
     assert "--max-shard-size" in help_text.stdout
+
+
+def weights_in(directory: Path) -> dict[str, torch.Tensor]:
+    """What a loader reads from a directory: the files the index names, or the one file."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        files = set(json.loads(index.read_text())["weight_map"].values())
+        return {k: v for name in sorted(files) for k, v in load_file(directory / name).items()}
+    return load_file(directory / "model.safetensors")
+
+
+def test_a_new_consolidation_replaces_an_earlier_one_whole(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(train_and_save, 2, "gpt", 3, str(ckpt))
+    out = tmp_path / "out"
+    whole = load_file(zcore.checkpoint.consolidate(ckpt, out, progress=False)[0])
+    # Split, then whole again, then split in another way: each time only the
+    # new files (and the index where split) are left, and they load as whole.
+    for size in (20_000, 5 * 2**30, 40_000):
+        files = zcore.checkpoint.consolidate(ckpt, out, max_shard_bytes=size, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in files)
+        got = weights_in(out)
+        assert got.keys() == whole.keys() and all(torch.equal(got[k], v) for k, v in whole.items())
+
+
+def test_the_commands_errors_are_one_line_and_leave_no_directory(tmp_path: Path) -> None:
+    zcore_cli = Path(sys.executable).with_name("zcore")
+    for checkpoint, expected in ((tmp_path / "absent", "does not exist"), (tmp_path, "no 'latest' file")):
+        out = tmp_path / "out"
+        done = subprocess.run(
+            [str(zcore_cli), "consolidate", str(checkpoint), str(out)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 1
+        assert done.stderr.startswith("zcore consolidate: ") and expected in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and not out.exists()
 
 
 class ManyParameters(nn.Module):

@@ -201,6 +201,28 @@ def test_activations_compose_with_the_users_saved_tensor_hooks(tmp_path):
     engine.destroy()
 
 
+def test_activations_are_counted_every_step_when_the_users_pack_frees_them(tmp_path):
+    """The user's pack keeps a copy (as a compression hook does), so each
+    original is freed during the forward and a later activation may take its
+    address: counted all the same. Saved: the input (4 x 16 fp32) and each
+    Tanh's output (4 x 32), which the next Linear saves too."""
+    for stage in (0, 1, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+        )
+        engine, *_ = zcore.initialize(model=model, config=config(tmp_path, zero_optimization={"stage": stage}))
+        counted = []
+        for step in range(10):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 2, lambda t: t / 2):
+                out = engine(torch.randn(4, 16))
+            engine.backward(out.square().mean())
+            engine.step()
+            counted.append(engine.last_step_metrics.memory["device"]["activations"])
+        assert counted == [(4 * 16 + 2 * 4 * 32) * 4] * 10, stage
+        engine.destroy()
+
+
 def test_skipped_steps_are_counted(tmp_path):
     torch.manual_seed(0)
     model = TokenMLP()

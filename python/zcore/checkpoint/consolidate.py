@@ -16,11 +16,13 @@ from typing import Optional
 
 import torch
 
+from zcore.checkpoint import durable
 from zcore.checkpoint.layout import TensorInfo, tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
 from zcore.checkpoint.saved_ranges import SavedRanges
+from zcore.checkpoint.schema import Meta
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec, plan_files
-from zcore.checkpoint.weight_files import INDEX, weight_file_names, write_index
+from zcore.checkpoint.weight_files import INDEX, publish, staging_directory, weight_file_names, write_index
 from zcore.errors import CheckpointError
 from zcore.progress import progress_bar
 
@@ -39,6 +41,8 @@ def consolidate(
     master weights), others as saved. Load with
     ``safetensors.torch.load_file`` and ``model.load_state_dict``. With
     ``progress``, a bar on stderr when it is a terminal (zcore.progress)."""
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointError(f"the checkpoint directory {checkpoint_dir} does not exist (or is not a directory)")
     tag_dir = resolve(checkpoint_dir, tag)
     if tag_dir is None:
         raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
@@ -52,9 +56,31 @@ def consolidate(
     files = plan_files(specs, max_shard_bytes)
     names = weight_file_names(len(files))
     out = Path(output_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    total = sum(s.nbytes for s in specs)
-    written = []
+    # Written aside and published as save_pretrained does: a failed run
+    # leaves the directory as it was, and a new split replaces the old one
+    # whole (loaders would read stale files or a stale index).
+    staging = staging_directory(out, "consolidating")
+    try:
+        staging.mkdir()
+        _write(tag_dir, meta, infos, keys, staging, names, files, progress)
+        if len(files) > 1:
+            write_index(staging, names, files)
+            names = [*names, INDEX]
+    except BaseException:
+        durable.remove_tree(staging)
+        if created:
+            out.rmdir()
+        raise
+    return publish(staging, out, names)
+
+
+def _write(
+    tag_dir: Path, meta: Meta, infos: dict[str, TensorInfo], keys: dict[str, str], out: Path,
+    names: list[str], files: list[list[TensorSpec]], progress: bool,
+) -> None:
+    total = sum(s.nbytes for file_specs in files for s in file_specs)
     with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved, progress_bar(
         f"consolidating checkpoint {tag_dir.name}", total, enabled=progress
     ) as bar:
@@ -66,11 +92,6 @@ def consolidate(
                     del value
                     bar.update(spec.nbytes)
                 writer.commit()
-            written.append(out / name)
-    if len(files) > 1:
-        write_index(out, names, files)
-        written.append(out / INDEX)
-    return written
 
 
 def _whole(saved: SavedRanges, infos: dict[str, TensorInfo], name: str) -> torch.Tensor:

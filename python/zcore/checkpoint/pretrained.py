@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -37,7 +35,14 @@ from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
 from zcore.checkpoint.load import Staged, commit, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileReader, TensorFileWriter, TensorSpec, plan_files
-from zcore.checkpoint.weight_files import INDEX, WEIGHT_FILE, WEIGHTS, weight_file_names, write_index
+from zcore.checkpoint.weight_files import (
+    INDEX,
+    WEIGHTS,
+    publish,
+    staging_directory,
+    weight_file_names,
+    write_index,
+)
 from zcore.errors import CheckpointError, CheckpointMismatchError, ZcoreError
 from zcore.progress import progress_bar
 
@@ -71,7 +76,7 @@ def save_pretrained(
     out = Path(save_directory)
     rank0 = engine.context.rank == 0
     failures: list[BaseException] = []
-    staging = out / f".zcore-saving-{_job_token()}" if rank0 else None
+    staging = staging_directory(out, "saving") if rank0 else None
     # Every rank runs every gather to the end, whatever fails: a rank that
     # stopped early would leave the others waiting in a collective.
     tensors = full_state_tensors(engine, layout, dtype, failures)
@@ -102,28 +107,7 @@ def save_pretrained(
         raise
     if staging is None:
         return None
-    return _publish(staging, out, written)
-
-
-def _job_token() -> str:
-    return f"{os.getpid()}-{time.time_ns()}"
-
-
-def _publish(staging: Path, out: Path, written: list[str]) -> list[Path]:
-    """Moves the staged files into ``out``: the old index goes first and the
-    new one comes last, so a crash between leaves no index that names files
-    of two saves; then weight files of the earlier save that the new one
-    does not replace (another split) are removed."""
-    (out / INDEX).unlink(missing_ok=True)
-    for name in sorted(written, key=lambda n: n == INDEX):
-        os.replace(staging / name, out / name)
-    durable.fsync_dir(out)
-    durable.remove_tree(staging)
-    kept = set(written)
-    for path in out.iterdir():
-        if WEIGHT_FILE.fullmatch(path.name) and path.name not in kept:
-            path.unlink()
-    return [out / name for name in written]
+    return publish(staging, out, written)
 
 
 def _spec(name: str, layout: EngineLayout, dtype: torch.dtype) -> TensorSpec:
