@@ -86,7 +86,8 @@ class _AllGatherBySendRecv:
                 peer = i if group is None else dist.get_global_rank(group, i)  # P2POp takes global ranks
                 ops.append(dist.P2POp(dist.isend, shard, peer, group))
                 ops.append(dist.P2POp(dist.irecv, slices[i], peer, group))
-        self._works = dist.batch_isend_irecv(ops)
+        # A group of one (a node of one rank in a two-level gather) has no peer.
+        self._works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> None:
         for work in self._works:

@@ -96,7 +96,12 @@ class QuantizedAllGather:
     the wire; ``wait()`` decodes it. ``gather(received, packed)``: how the
     packed slices travel, in rank order (default: one all-gather over
     ``group``; zcore.hierarchical_gather passes its two levels, so that a
-    shard is quantized once and decoded once whatever the route)."""
+    shard is quantized once and decoded once whatever the route).
+    ``segments``: each shard is quantized as that many equal slices, each
+    in blocks from its own start: hpZ's secondary spans several primary
+    shards, which were quantized so; blocks aligned to theirs give back the
+    same codes, where blocks across them would scale one shard's weights
+    by its neighbour's largest."""
 
     def __init__(
         self,
@@ -105,13 +110,16 @@ class QuantizedAllGather:
         world_size: int,
         group: Optional[dist.ProcessGroup] = None,
         gather: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None,
+        segments: int = 1,
     ) -> None:
-        self._output = output.view(world_size, -1)
-        self._layout = _Slice(shard.numel(), WEIGHT_BITS, WEIGHT_BLOCK)
+        self._output = output.view(world_size * segments, -1)
+        self._layout = _Slice(shard.numel() // segments, WEIGHT_BITS, WEIGHT_BLOCK)
         n = self._layout.nbytes
-        self._send = torch.empty(n, dtype=torch.uint8, device=shard.device)
-        self._layout.pack(shard.reshape(-1), self._send)
-        self._received = torch.empty(world_size * n, dtype=torch.uint8, device=shard.device)
+        self._send = torch.empty(segments, n, dtype=torch.uint8, device=shard.device)
+        for part, into in zip(shard.reshape(segments, -1), self._send):
+            self._layout.pack(part, into)
+        self._send = self._send.view(-1)
+        self._received = torch.empty(world_size * segments * n, dtype=torch.uint8, device=shard.device)
         if gather is None:
             gather = functools.partial(comm.all_gather_into, async_op=True, group=group)
         self._work: Any = gather(self._received, self._send)
@@ -213,13 +221,13 @@ def _sum_into(shard: torch.Tensor, layout: _Slice, received: torch.Tensor) -> No
 
 
 def weight_gather(
-    quantized: bool, world_size: int, group: Optional[dist.ProcessGroup] = None
+    quantized: bool, world_size: int, group: Optional[dist.ProcessGroup] = None, segments: int = 1
 ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """How stage 3 starts a group's all-gather over ``group`` (``world_size``
     ranks; None: the world): ``gather(buffer, shard)`` returns what
-    ``wait()`` completes."""
+    ``wait()`` completes. ``segments``: QuantizedAllGather's."""
     if quantized:
-        return functools.partial(QuantizedAllGather, world_size=world_size, group=group)
+        return functools.partial(QuantizedAllGather, world_size=world_size, group=group, segments=segments)
     return functools.partial(comm.all_gather_into, async_op=True, group=group)
 
 

@@ -11,7 +11,9 @@ block), the group's secondary. The group's later all-gathers (backward,
 activation checkpointing's recomputation, the next micro-step's forward)
 gather the secondaries within the block: on a cluster, over the node's
 links, never across nodes. With qwZ they are int8 on the wire too, as
-DeepSpeed's are.
+DeepSpeed's are, quantized in the blocks of the primary shards they hold,
+which gives back the codes the first gather decoded: a weight is not
+quantized twice over.
 
 A secondary holds the values the shards had when it was taken, so it is
 dropped when they change (zcore.param_fetcher says when): a trained group's
@@ -132,8 +134,8 @@ def weight_gathers(
     ``persistent``: per group. With hpZ or a hierarchical gather,
     collective: every rank creates the groups it needs from ``topology``."""
 
-    def over(group: RankGroup) -> Gather:
-        return weight_gather(policy.quantized_weights, group.size, group.group)
+    def over(group: RankGroup, segments: int = 1) -> Gather:
+        return weight_gather(policy.quantized_weights, group.size, group.group, segments)
 
     primary = over(shard)
     if policy.hierarchical_gather:
@@ -145,4 +147,6 @@ def weight_gathers(
         return WorldGathers(primary)
     assert topology is not None
     block = topology.blocks(policy.hpz_size)
-    return SecondaryPartition(primary, over(block), block.group, persistent)
+    # A secondary holds shard.size // block.size primary shards, each
+    # quantized on its own by the primary gather (QuantizedAllGather).
+    return SecondaryPartition(primary, over(block, shard.size // block.size), block.group, persistent)

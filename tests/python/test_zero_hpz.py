@@ -16,7 +16,9 @@ backward, the second micro-step) gathers within the block:
   block all-gather sends  (h-1)/h x c x (2 x A x U - P),
 and the reduce-scatters and all-reduces on the world are plain stage 3's
 (zcore's test_counting_group). With qwZ, each gather sends the rank's int8
-slice (codes and scales) to each peer instead.
+slice (codes and scales) to each peer instead; a secondary as the primary
+shards it holds, each quantized in its own blocks, so that a weight comes
+back from a secondary with the codes of its first gather.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ def test_later_gathers_stay_within_the_block(results):
         "hpZ": (world_share * c * P, block_share * c * (2 * A * U - P)),
         "hpZ and qwZ": (
             (WORLD - 1) * sum(quantized_bytes(s // WORLD, WEIGHT_BITS, WEIGHT_BLOCK) for s in sizes),
-            (HPZ - 1) * (2 * A * sum(quantized_bytes(s // HPZ, WEIGHT_BITS, WEIGHT_BLOCK) for s in uses)
-                         - sum(quantized_bytes(s // HPZ, WEIGHT_BITS, WEIGHT_BLOCK) for s in sizes)),
+            # A secondary travels as the WORLD / HPZ primary shards it holds.
+            (HPZ - 1) * (WORLD // HPZ) * (
+                2 * A * sum(quantized_bytes(s // WORLD, WEIGHT_BITS, WEIGHT_BLOCK) for s in uses)
+                - sum(quantized_bytes(s // WORLD, WEIGHT_BITS, WEIGHT_BLOCK) for s in sizes)),
         ),
     }
     for label, _ in COUNTED:
@@ -185,10 +189,56 @@ def test_later_gathers_stay_within_the_block(results):
                 assert on_world == {"send": world_send, "recv": 0, "all_to_all": world_share * 4 * A * P,
                                     "all_reduce": all_reduce}, where
                 assert on_block == {"send": block_send, "recv": 0}, where
-    # qwZ's secondary gathers decode int8 values gathered once already:
+    # qwZ's secondary gathers give back the codes of the first gather:
     # training goes on alike (the quantization error, zcore's test_zero_quantized).
     plain, quantized = results[0]["hpZ"][1], results[0]["hpZ and qwZ"][1]
     assert quantized == pytest.approx(plain, rel=0.01) and quantized != plain
+
+
+class SmallBesideLarge(torch.nn.Module):
+    """One weight of 6000 elements: rank 0's shard of it near 1e-3, rank
+    1's near 10 (both in one secondary of the block of ranks 0 and 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        w = torch.randn(6000, generator=torch.Generator().manual_seed(0))
+        w[:1500] *= 1e-3
+        w[1500:3000] *= 10.0
+        self.w = torch.nn.Parameter(w)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.w.detach().clone())
+        return (x * self.w).sum()
+
+
+def weights_seen_with_qwz(rank: int, world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = SmallBesideLarge()
+    true = model.w.detach().clone()
+    zero = {**ON_DEMAND, "zero_quantized_weights": True}
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-9}}, "zero_optimization": {"stage": 3, **zero}}
+    engine, *_ = zcore.initialize(model=model, config=config)
+    for _ in range(2):  # the second micro-step's forward gathers from the secondaries
+        engine.backward(engine(torch.ones(6000)))
+        engine.step()
+    assert engine.gather_stats().secondary_gathers > 0
+    engine.destroy()
+    return true, model.seen
+
+
+def test_with_qwz_a_secondary_gives_back_each_shards_own_quantization():
+    """The int8 bound per weight, max|x| / 254 over its block of its primary
+    shard, holds for the gathers from secondaries as for the first (not the
+    bound of a block that runs into a shard of larger weights)."""
+    true, seen = run_ranks(weights_seen_with_qwz, WORLD, timeout=300)[0]
+    shards = true.view(WORLD, -1)
+    for gathered in seen:
+        for k, (got, want) in enumerate(zip(gathered.view(WORLD, -1), shards)):
+            for start in range(0, want.numel(), WEIGHT_BLOCK):
+                block = slice(start, start + WEIGHT_BLOCK)
+                bound = want[block].abs().max() / 254 * (1 + 1e-5)
+                assert (got[block] - want[block]).abs().max() <= bound, (k, start)
 
 
 def test_a_checkpoint_load_and_a_write_back_drop_the_secondaries(results):

@@ -392,3 +392,47 @@ def hierarchical_within_a_node(rank: int, world: int) -> str:
 def test_a_hierarchical_gather_within_one_node_is_refused():
     for message in run_ranks(hierarchical_within_a_node, 4, timeout=60):
         assert "span several whole nodes" in message and "mics_shard_size is 2" in message
+
+
+def whole_state(rank: int, world: int, directory: str) -> dict:
+    engine, *_ = zcore.initialize(
+        model=make_model("gpt"), config=zcore_config(3, 1, 0.0, zero={"mics_shard_size": 2}, train_batch_size=8)
+    )
+    for step in range(2):
+        x, y = global_batch("gpt", step, 8)
+        part = rows(rank, world, 8)
+        engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, rank), y[part]))
+        engine.step()
+    full = engine.full_state_dict()
+    zcore.save_pretrained(engine, directory)
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        gathered = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return {"full": full, "gathered": gathered}
+
+
+def test_the_whole_state_dict_and_save_pretrained_gather_from_rank_0s_shard_group(tmp_path):
+    """Rank 0's shard group holds every shard; the other group's copies are
+    not gathered (a gather over the world had room for half of them)."""
+    from safetensors.torch import load_file
+
+    results = run_ranks(whole_state, WORLD, str(tmp_path), timeout=300)
+    full, gathered = results[0]["full"], results[0]["gathered"]
+    assert all(r["full"] == {} for r in results[1:])
+    saved = load_file(tmp_path / "model.safetensors")
+    assert full.keys() == gathered.keys() and saved.keys() <= full.keys()  # saved: a tied weight once
+    for key, value in gathered.items():
+        assert torch.equal(full[key], value), key
+        assert key not in saved or torch.equal(saved[key], value), key
+
+
+def nodes_of_one_rank(rank: int, world: int) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # each rank its own node
+    zero = {"mics_shard_size": world, "mics_hierarchical_params_gather": True}
+    return train_zcore(rank, world, "gpt", zcore_config(3, 1, 0.0, zero=zero, train_batch_size=8), 5)
+
+
+def test_a_hierarchical_gather_over_nodes_of_one_rank_matches(tmp_path):
+    """Its within-node level has no peer: the gather is the level across nodes."""
+    got = run_ranks(nodes_of_one_rank, 2, timeout=300)[0]
+    assert_matches(got, train_reference("gpt", 0.0, 5, 2, 1), TOLERANCE, "2 nodes x 1")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from zcore.checkpoint.layout import EngineLayout, engine_layout
 from zcore.errors import InvalidStateError
 from zcore.swapped_optimizer import SwappedMaster
+from zcore.topology import RankGroup
 
 
 def refuse_model_parallel(engine: Any, what: str) -> None:
@@ -48,12 +49,13 @@ def full_state_tensors(
     (an NVMe error) is recorded there and zeros take its place in the
     gathers, so that no rank is left waiting in one."""
     rank = engine.context.rank
+    holders = _holders_of_rank_0s_shards(engine)
     done = set()
     shards = _shards(engine) if failures is None else _shards_or_zeros(engine, failures)
     for unit, shard in shards:
         # Offloaded shards (master, parameters) rest on the host; the
         # collective's backend (NCCL on a GPU) needs them on the device.
-        full = _gather(shard.to(engine.context.device), unit.padded_numel, rank)
+        full = _gather(shard.to(engine.context.device), unit.padded_numel, rank, holders)
         if rank == 0:
             for i, p in enumerate(unit.params):
                 done.add(layout.names[id(p)])
@@ -121,11 +123,23 @@ def _shards(engine: Any) -> Iterator[tuple[Any, torch.Tensor]]:
                 yield g, engine.residency.read_shard(g.index)
 
 
-def _gather(shard: torch.Tensor, padded_numel: int, rank: int) -> torch.Tensor:
-    if shard.numel() == padded_numel:  # unsharded (stage 0 or a world of one)
+def _holders_of_rank_0s_shards(engine: Any) -> Optional[RankGroup]:
+    """The ranks whose shards make up rank 0's units: the world, or with
+    MiCS rank 0's shard group (the other groups hold copies of the same
+    shards, and take no part: None on their ranks)."""
+    if not engine.policies.stage.shards_parameters:
+        return RankGroup.world()
+    shard = engine.residency.shard
+    if shard.group is None or 0 in dist.get_process_group_ranks(shard.group):
+        return shard
+    return None
+
+
+def _gather(shard: torch.Tensor, padded_numel: int, rank: int, holders: Optional[RankGroup]) -> torch.Tensor:
+    if shard.numel() == padded_numel or holders is None:  # unsharded (stage 0, a world of one), or not a holder
         return shard
     # Straight into one buffer: no concatenated copy beside the parts.
     full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if rank == 0 else None
     parts = list(full.view(-1, shard.numel()).unbind(0)) if rank == 0 else None
-    dist.gather(shard.contiguous(), parts, dst=0)
+    dist.gather(shard.contiguous(), parts, dst=0, group=holders.group)  # dst: the global rank
     return full if rank == 0 else shard
