@@ -91,7 +91,7 @@ CASES = [("commit", k, "b") for k in range(1, 7)] + [("commit", k, "a") for k in
 
 
 def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
-    roots, before, rename_done = [], [], []
+    roots, rename_done = [], []
     for kind, kill_at, second in CASES:
         root = tmp_path / f"{kind}-{kill_at}-{second}"
         with pytest.raises(RuntimeError, match="died with exit code -9"):

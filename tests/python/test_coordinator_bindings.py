@@ -111,7 +111,8 @@ def test_a_caller_executing_the_plans_sees_the_guarantees():
         _C.CoordinatorConfig(prefetch_bucket_elements=3 * S, max_live_elements=budget, max_reuse_distance=2 * S)
     )
     groups = [c.register_group(n, 2) for n in sizes]
-    modules = [c.register_module([g]) for g in groups]
+    for g in groups:
+        c.register_module([g])
     where = {g: "sharded" for g in groups}
     users = dict.fromkeys(groups, 0)
 
