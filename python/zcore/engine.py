@@ -156,6 +156,10 @@ class Engine:
         # swap-out, say) left some shards updated and others not.
         self._broken: Optional[str] = None
         self._destroyed = False  # destroy() ran: swap files and buffers are gone
+        # Frozen at initialize: zcore never trains them, so a gradient they
+        # get (requires_grad set since) is reported once, not ignored silently.
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._unfrozen_reported = False
         # DeepSpeed's flops profiler, at one step (zcore.flops_profiler).
         self.flops_profiler: Optional[FlopsProfiler] = None
         self.flops_report: Optional[FlopsReport] = None
@@ -314,8 +318,10 @@ class Engine:
             "starts the window again", type(exc).__name__, earlier,
         )
 
-    def step(self) -> None:
-        """Steps the optimizer at an accumulation boundary; counts the micro-step."""
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Steps the optimizer at an accumulation boundary; counts the
+        micro-step. ``lr_kwargs``: as DeepSpeed's, passed to the scheduler's
+        step (ReduceLROnPlateau's ``metrics``)."""
         self._refuse_if_broken()
         optimizer = self._trainer("step")
         if self.micro_step_phase is not MicroStep.AWAITING_STEP:
@@ -324,7 +330,9 @@ class Engine:
                 "would count a micro-step that has no gradients; call engine.backward(loss) first "
                 "(every micro-batch: forward, backward, step)"
             )
-        if self.is_gradient_accumulation_boundary():
+        stepped = self.is_gradient_accumulation_boundary()
+        if stepped:
+            self._report_unfrozen()
             groups = optimizer.param_groups
             lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it
             profiling = self.flops_profiler is not None and self.flops_profiler.state is ProfilerState.PROFILING
@@ -350,8 +358,6 @@ class Engine:
                     self.global_steps,
                     optimizer.loss_scale,
                 )
-            elif self.lr_scheduler is not None:
-                self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
             self.accumulated_micro_steps = 0
@@ -372,6 +378,22 @@ class Engine:
             self.accumulated_micro_steps += 1
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+        # Last: a scheduler that raises (ReduceLROnPlateau without its
+        # metrics) finds the step taken and counted, not half done.
+        if stepped and not result.skipped and self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _report_unfrozen(self) -> None:
+        if self._unfrozen_reported:
+            return
+        unfrozen = [n for n, p in self._frozen if p.grad is not None]
+        if unfrozen:
+            self._unfrozen_reported = True
+            log.warning(
+                "parameters frozen at zcore.initialize got gradients and are not trained: %s. zcore trains "
+                "the parameters that require grad at initialize; set requires_grad before it to train these",
+                ", ".join(unfrozen[:8]) + (" ..." if len(unfrozen) > 8 else ""),
+            )
 
     def _phase(self, phase: Phase) -> Any:
         return self.metrics.phase(phase) if self.metrics is not None else nullcontext()

@@ -40,13 +40,23 @@ class ParamGroups:
     trainable: list[torch.nn.Parameter]  # every trained parameter once, in group order
 
 
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s state comes from steps: some optimizers
+    (Adagrad) create their state at construction, with step 0."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False
+
+
 def collect_param_groups(
     model: torch.nn.Module,
     optimizer: Union[None, torch.optim.Optimizer, Callable],
     model_parameters: Optional[Iterable],
 ) -> ParamGroups:
     if isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer.state:
+        if _has_stepped(optimizer):
             raise ValueError(
                 "the optimizer passed to zcore.initialize already has state (it has stepped); "
                 "pass a freshly constructed optimizer"

@@ -168,6 +168,80 @@ def test_user_optimizer_instance_and_callable_match_torch():
     assert run_ranks(check_user_optimizers, 1, launcher=False, timeout=120) == [True]
 
 
+def check_schedulers_and_fresh_state(rank, world):
+    """As DeepSpeed: a scheduler given as a callable is built on the torch
+    optimizer; step(lr_kwargs) reaches the scheduler's step; a scheduler
+    that raises finds the step taken and counted. A fresh Adagrad (which
+    makes its state at construction) is taken, and trains as torch's."""
+    from log_capture import capture_zcore_log
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+
+    def sgd(groups):
+        return torch.optim.SGD(groups, lr=0.1)
+
+    engine, _, _, scheduler = zcore.initialize(
+        model=small_model(), config=config, optimizer=sgd,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+    )
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and engine.get_lr() == [0.1 * 0.5**3]
+    plateau, _, _, _ = zcore.initialize(
+        model=small_model(), config=config, optimizer=sgd,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0),
+    )
+    for step in range(3):
+        x, y = batch(0)
+        plateau.backward(nn.functional.mse_loss(plateau(x), y) * 0 + 1.0)
+        plateau.step(lr_kwargs={"metrics": 1.0})  # no improvement: halved after the first
+    assert plateau.get_lr() == [0.1 * 0.5**2]
+    plateau.backward(nn.functional.mse_loss(plateau(x), y))
+    with pytest.raises(TypeError, match="metrics"):
+        plateau.step()
+    assert (plateau.global_steps, plateau.micro_step_phase) == (4, zcore.engine.MicroStep.AWAITING_BACKWARD)
+
+    model = small_model()
+    reference = small_model()
+    expected_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    engine, _, _, _ = zcore.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}},
+        optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1),
+    )
+    log = capture_zcore_log()
+    for step in range(4):
+        x, y = batch(step)
+        nn.functional.mse_loss(reference(x), y).backward()
+        expected_opt.step()
+        expected_opt.zero_grad()
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert not [m for m in log.messages if "frozen" in m]
+
+    # A parameter frozen at initialize and unfrozen after: said once, by name.
+    model = small_model()
+    model[0].weight.requires_grad_(False)
+    engine, _, _, _ = zcore.initialize(
+        model=model, config={**config, "zero_optimization": {"stage": 1}}, optimizer=sgd
+    )
+    model[0].weight.requires_grad_(True)
+    for step in range(2):
+        x, y = batch(step)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    (said,) = [m for m in log.messages if "frozen at zcore.initialize" in m]
+    assert "0.weight" in said
+    return True
+
+
+def test_schedulers_lr_kwargs_and_optimizers_with_state_at_construction():
+    assert run_ranks(check_schedulers_and_fresh_state, 1, launcher=False, timeout=120) == [True]
+
+
 def test_errors_and_data_loader():
     assert run_ranks(check_errors_and_data, 1, launcher=False, timeout=120) == [True]
 

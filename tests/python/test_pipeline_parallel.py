@@ -310,3 +310,23 @@ def test_a_schedule_of_other_micro_batches_than_the_accumulation_is_refused():
     messages = run_ranks(mismatched, WORLD, timeout=120)
     for message in messages:
         assert "runs 4 micro-batches per step but gradient_accumulation_steps is 2" in message
+
+
+def stage_without_parameters(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (3, 1), mesh_dim_names=("pp", "dp"))
+    module, _ = stage_module(0)
+    if rank == 1:
+        module = nn.Tanh()  # torch's pipelining takes such a stage
+    elif rank == 2:
+        module, _ = stage_module(1)
+    try:
+        zcore.initialize(model=module, config=zcore_config(1, 1, 0.0), device_mesh=mesh)
+    except ConfigError as exc:
+        return str(exc)
+    return "initialized"
+
+
+def test_a_stage_without_parameters_is_refused_on_every_rank():
+    said = run_ranks(stage_without_parameters, 3, timeout=120)
+    assert "this pipeline stage has no parameter that requires grad" in said[1]
+    assert all("failed on rank 1" in s and "no parameter that requires grad" in s for s in (said[0], said[2]))
