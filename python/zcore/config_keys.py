@@ -46,6 +46,12 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
         False,
         "storing frozen weights quantized is not supported; zero_quantized_weights quantizes their all-gathers",
     ),
+    "fp16.auto_cast": (False, "zcore casts the model to fp16 itself; torch autocast inside it is not supported"),
+    "data_types.grad_accum_dtype": (None, "zcore accumulates gradients in fp32"),
+    "zero_force_ds_cpu_optimizer": (
+        True,
+        "zcore picks the optimizer that runs on the CPU itself (its fused CPU Adam for Adam and AdamW)",
+    ),
     "aio.use_gds": (False, "GPUDirect Storage is not supported"),
     "aio.single_submit": (False, "zcore's I/O engine always submits a request's blocks as one batch"),
     "aio.overlap_events": (True, "zcore's I/O engine always overlaps submission with completion"),
@@ -90,6 +96,8 @@ def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
         if section is None or leaf not in section:
             continue
         value = section.pop(leaf)
+        if not section and parents == ["data_types"]:  # a section zcore has no keys of
+            del cleaned["data_types"]
         if default is _ANY or not _is_default(value, default):
             problems.append(
                 f"config key {dotted!r} = {show_value(value)} is a DeepSpeed key zcore does not "
@@ -118,6 +126,8 @@ def _is_default(value: Any, default: Any) -> bool:
     # A section: each key it gives carries its default.
     if isinstance(default, dict):
         return isinstance(value, dict) and all(k in default and _is_default(v, default[k]) for k, v in value.items())
+    if default is None:
+        return value is None
     # Python has 1 == True and 0.0 == False: a number is not a boolean's
     # default, nor a boolean a number's.
     if isinstance(value, bool) or isinstance(default, bool):

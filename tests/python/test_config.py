@@ -121,6 +121,9 @@ def test_deepspeed_zero3_keys_at_their_defaults_are_accepted():
             "tag_validation": "warn", "load_universal": False, "use_node_local_storage": False,
             "parallel_write": {"pipeline_stage": False},
         },
+        "fp16": {"enabled": False, "auto_cast": False},
+        "data_types": {"grad_accum_dtype": None},
+        "zero_force_ds_cpu_optimizer": True,
     })
     assert cfg.checkpoint.tag_validation == "warn"
 
@@ -134,6 +137,9 @@ def test_deepspeed_zero3_keys_at_their_defaults_are_accepted():
         ("checkpoint.load_universal", True, "reload at any world size"),
         ("checkpoint.parallel_write", {"pipeline_stage": True}, "writes its own shards"),
         ("pipeline", {"stages": 2}, "zcore.pipelining"),
+        ("fp16.auto_cast", True, "torch autocast"),
+        ("data_types.grad_accum_dtype", "bf16", "accumulates gradients in fp32"),
+        ("zero_force_ds_cpu_optimizer", False, "fused CPU Adam"),
     ],
 )
 def test_deepspeed_keys_off_their_defaults_are_refused_with_the_reason(path, value, match):
