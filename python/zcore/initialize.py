@@ -33,6 +33,7 @@ from zcore.model_parallel import (
     check_parameters,
     local_tensor,
     model_parallel_mesh,
+    refuse_stages_without_parameters,
     refuse_with_model_parallel,
 )
 from zcore.optimizers import ParamGroups, build_optimizer, collect_param_groups
@@ -130,8 +131,7 @@ def initialize(
     if model_parallel is not None:
         refuse_with_model_parallel(cfg, model_parallel)
         check_parameters(model, model_parallel)
-        if model_parallel.pipelined and (optimizer is not None or cfg.optimizer is not None):
-            _refuse_stages_without_parameters(model)
+        refuse_stages_without_parameters(model, model_parallel, optimizer is not None or cfg.optimizer is not None)
     policies = policies_from_config(cfg, context, None if model_parallel is None else model_parallel.data_parallel)
     ranks = _data_parallel_ranks(policies, device_mesh, context, model_parallel)
 
@@ -665,18 +665,6 @@ def _ties(tied: Optional[dict[str, torch.nn.Parameter]], units: list[Unit], rank
             )
         return []
     return tie_parameters(tied or {}, units, mesh)
-
-
-def _refuse_stages_without_parameters(model: torch.nn.Module) -> None:
-    """Collective over the pipeline's ranks: a stage with nothing to train
-    is refused on every rank, not on its own while the others wait."""
-    problem = None
-    if not any(p.requires_grad for p in model.parameters()):
-        problem = ConfigError(
-            "this pipeline stage has no parameter that requires grad; zcore trains every stage of a "
-            "pipeline, so each needs one: move a layer with parameters into it, or join it to a neighbour"
-        )
-    comm.raise_if_any_failed(problem, "zcore.initialize", ConfigError)
 
 
 def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> Any:

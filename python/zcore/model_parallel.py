@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from zcore.comm import raise_if_any_failed
 from zcore.config import Config
 from zcore.errors import ConfigError
 from zcore.topology import RankGroup
@@ -227,3 +228,18 @@ def refuse_with_model_parallel(cfg: Config, mesh: ModelParallelMesh) -> None:
             f"with a device_mesh of dimensions {mesh.mesh.mesh_dim_names}, zcore does not support "
             f"{', '.join(named)} yet; remove them, or pass no mesh"
         )
+
+
+def refuse_stages_without_parameters(model: torch.nn.Module, mesh: ModelParallelMesh, trains: bool) -> None:
+    """Collective over the pipeline's ranks (when ``trains`` and ``mesh``
+    pipelines): a stage with nothing to train is refused on every rank, not
+    on its own while the others wait."""
+    if not (trains and mesh.pipelined):
+        return
+    problem = None
+    if not any(p.requires_grad for p in model.parameters()):
+        problem = ConfigError(
+            "this pipeline stage has no parameter that requires grad; zcore trains every stage of a "
+            "pipeline, so each needs one: move a layer with parameters into it, or join it to a neighbour"
+        )
+    raise_if_any_failed(problem, "zcore.initialize", ConfigError)
