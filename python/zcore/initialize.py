@@ -43,7 +43,7 @@ from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tie
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.quantized_collectives import gradient_reduce_scatter
-from zcore.topology import DataParallelRanks, RankGroup, Topology, build_topology
+from zcore.topology import DataParallelRanks, RankGroup, build_topology
 from zcore.progress import progress_bar
 from zcore.optim import CompressedAdam, CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
@@ -617,25 +617,10 @@ def _data_parallel_ranks(
         return DataParallelRanks(RankGroup.world())
     topology = build_topology(device_mesh, context.device.type)
     if wire.hierarchical_gather:
-        _check_spans_nodes(stage.shard_size, topology)
+        topology.check_two_level_gather(stage.shard_size)
     if not stage.replicates_shards:
         return DataParallelRanks(RankGroup.world(), None, topology)
     return DataParallelRanks(topology.blocks(stage.shard_size), topology.strided(stage.shard_size), topology)
-
-
-def _check_spans_nodes(shard_size: int, topology: Topology) -> None:
-    h = topology.local_size
-    if shard_size <= h or shard_size % h:
-        raise ConfigError(
-            f"zero_optimization.mics_hierarchical_params_gather gathers shard groups that span several whole "
-            f"nodes, but mics_shard_size is {shard_size} with {h} ranks per node (LOCAL_WORLD_SIZE or the "
-            f"device mesh); set mics_shard_size to a multiple of {h} above it, or remove the key"
-        )
-    if not topology.in_rank_order:
-        raise ConfigError(
-            "zero_optimization.mics_hierarchical_params_gather needs nodes of consecutive ranks, as torchrun "
-            "numbers them; the device mesh given orders them otherwise: pass one in rank order"
-        )
 
 
 def _nodes(ranks: DataParallelRanks) -> Optional[tuple[RankGroup, RankGroup]]:

@@ -60,6 +60,26 @@ class Topology:
     def world_size(self) -> int:
         return len(self.order)
 
+    def check_two_level_gather(self, shard_size: int) -> None:
+        """MiCS's hierarchical gather over shard groups of ``shard_size``
+        ranks needs each group to be several whole nodes of consecutive ranks."""
+        h = self.local_size
+        if shard_size <= h or shard_size % h:
+            fix = (
+                f"set mics_shard_size to a multiple of {h} above it" if self.world_size > h
+                else "the world is one node, so there is no second level"
+            )
+            raise ConfigError(
+                f"zero_optimization.mics_hierarchical_params_gather gathers shard groups that span several whole "
+                f"nodes, but mics_shard_size is {shard_size} with {h} ranks per node (LOCAL_WORLD_SIZE or the "
+                f"device mesh); {fix}, or remove the key"
+            )
+        if not self.in_rank_order:
+            raise ConfigError(
+                "zero_optimization.mics_hierarchical_params_gather needs nodes of consecutive ranks, as torchrun "
+                "numbers them; the device mesh given orders them otherwise: pass one in rank order"
+            )
+
     @property
     def in_rank_order(self) -> bool:
         """Nodes hold consecutive global ranks (as torchrun numbers them):

@@ -378,10 +378,10 @@ def test_a_size_that_does_not_divide_the_world_is_refused():
     assert policies_from_config(load_config(mics_config()), context(4)).stage.shard_size == 4
 
 
-def hierarchical_within_a_node(rank: int, world: int) -> str:
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+def hierarchical_within_a_node(rank: int, world: int, local: int, shard: int) -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
     dist.init_process_group("gloo")
-    config = mics_config(mics_shard_size=2, mics_hierarchical_params_gather=True)
+    config = mics_config(mics_shard_size=shard, mics_hierarchical_params_gather=True)
     try:
         zcore.initialize(model=make_model("gpt"), config=config)
     except ConfigError as exc:
@@ -389,9 +389,11 @@ def hierarchical_within_a_node(rank: int, world: int) -> str:
     return "accepted"
 
 
-def test_a_hierarchical_gather_within_one_node_is_refused():
-    for message in run_ranks(hierarchical_within_a_node, 4, timeout=60):
-        assert "span several whole nodes" in message and "mics_shard_size is 2" in message
+@pytest.mark.parametrize(("local", "shard", "fix"), [(2, 2, "a multiple of 2 above it"), (4, 4, "one node")])
+def test_a_hierarchical_gather_within_one_node_is_refused(local, shard, fix):
+    for message in run_ranks(hierarchical_within_a_node, 4, local, shard, timeout=60):
+        assert "span several whole nodes" in message and f"mics_shard_size is {shard}" in message
+        assert fix in message
 
 
 def whole_state(rank: int, world: int, directory: str) -> dict:
