@@ -96,8 +96,8 @@ def split_unsupported(raw: dict) -> tuple[dict, list[str]]:
         if section is None or leaf not in section:
             continue
         value = section.pop(leaf)
-        if not section and parents == ["data_types"]:  # a section zcore has no keys of
-            del cleaned["data_types"]
+        if parents and not section:  # emptied: as if absent (data_types is no section of zcore's)
+            _copied_section(cleaned, parents[:-1]).pop(parents[-1])
         if default is _ANY or not _is_default(value, default):
             problems.append(
                 f"config key {dotted!r} = {show_value(value)} is a DeepSpeed key zcore does not "
