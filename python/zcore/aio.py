@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore._staging import (
     BackendName,
     Staging,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.errors import CudaUnavailableError, InvalidArgumentError
 from zcore.host_memory import PAGE_ALIGNMENT, HostMemory, LockMode, as_tensor
 

@@ -28,11 +28,11 @@ from zcore.flops_profiler import FlopsProfiler, FlopsReport, ProfilerState
 from zcore.grad_reduction import GradientReducer
 from zcore.partition import FlatUnit
 from zcore.memory_report import MemoryReport, measure_memory
+from zcore.model_parallel import DataParallelRanks
 from zcore.monitors import close_all, open_monitors
 from zcore.policies import Policies
 from zcore.sharded_optimizer import Publisher, ShardedOptimizer, StepResult
 from zcore.step_metrics import Phase, StepMetrics, StepRecord
-from zcore.topology import DataParallelRanks
 
 log = logging.getLogger("zcore")
 # wall_clock_breakdown's lines: printed even where the application set up no logging.

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.activation_estimate import SampleInput, saved_tensor_bytes
 from zcore.comm import DistributedContext
 from zcore.compressed_allreduce import padded_numel
@@ -39,7 +39,7 @@ from zcore.gather_buffers import arena_capacity
 from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.grad_reduction import MAX_REDUCES_IN_FLIGHT
 from zcore.host_memory import PAGE_ALIGNMENT
-from zcore.model_parallel import local_tensor
+from zcore.dtensor import local_tensor
 from zcore.memory_report import TIER_NAMES, CATEGORIES, DEVICE, HOST, NVME, TIERS, MemoryFigures
 from zcore.param_fetcher import coordinator_config, nvme_host_bytes, staging_bytes
 from zcore.param_fetcher import swap_capacity as parameter_swap_capacity

@@ -47,7 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from zcore.config import FlopsProfilerConfig
 from zcore.errors import ConfigError, InvalidStateError
-from zcore.hooks import _tensors_in
+from zcore.nested import tensors_in
 
 
 def _cpu_attention(query_shape, key_shape, value_shape, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -279,7 +279,7 @@ class _Session:
             self._time_backward(output)
 
     def _time_backward(self, output: Any) -> None:
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             self._handles.append(register_multi_grad_hook(tensors, self._backward_begins, mode="any"))
 

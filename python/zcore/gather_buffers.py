@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zcore.arena import DEFAULT_ALIGNMENT, Arena, Block
-from zcore.model_parallel import local_tensor
+from zcore.dtensor import local_tensor
 from zcore.sharded_group import ShardedGroup
 
 

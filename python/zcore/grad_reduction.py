@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from zcore import comm
 from zcore.gradient_shards import GradientShards, ResidentGradients, squared_norm_of
-from zcore.model_parallel import local_grad
+from zcore.dtensor import local_grad
 from zcore.partition import Unit
 from zcore.topology import RankGroup
 

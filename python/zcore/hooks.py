@@ -33,7 +33,6 @@ fetcher, which takes over a parameter returned to the calling module (note
 
 from __future__ import annotations
 
-import copy
 import functools
 import weakref
 from typing import Any, Callable
@@ -42,6 +41,7 @@ import torch
 
 from zcore.grad_reduction import GradientReducer
 from zcore.module_calls import ModuleCall
+from zcore.nested import replace_tensors, tensors_in
 from zcore.param_fetcher import ParamFetcher
 from zcore.partition import Unit
 
@@ -110,7 +110,7 @@ def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: t
 
 
 def _forward_post(fetcher: ParamFetcher, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
-    tensors = _tensors_in(output)
+    tensors = tensors_in(output)
     call = fetcher.exit_forward(tensors)
     return _through_backward_entry(fetcher, call, tensors, output)
 
@@ -143,29 +143,4 @@ def _through_backward_entry(
         return None
     entered = _OnBackward.apply(functools.partial(fetcher.enter_backward, call), *tensors)
     passed = dict(zip(map(id, tensors), entered))
-    return _replace_tensors(output, passed)
-
-
-def _replace_tensors(value: Any, passed: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return passed.get(id(value), value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_replace_tensors(v, passed) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_replace_tensors(v, passed) for v in value)
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps dict subclasses (model-output classes) intact
-        for k, v in value.items():
-            out[k] = _replace_tensors(v, passed)
-        return out
-    return value
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
+    return replace_tensors(output, passed)

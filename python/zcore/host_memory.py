@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.errors import InvalidArgumentError
 
 LockMode = Literal["none", "try", "require"]

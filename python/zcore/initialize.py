@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, U
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from zcore import _C, comm, gathered_parameters, hooks
+import zcore._C as _C
+from zcore import comm, gathered_parameters, hooks
 from zcore.background_step import BackgroundStep
 from zcore.config import Config, load_config
 from zcore.engine import BatchSizes, Engine, ParamResidency, ResidentParams
@@ -28,10 +29,11 @@ from zcore.gradient_shards import SwappedGradients
 from zcore.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.lr_schedules import SCHEDULES
 from zcore.meta_init import MetaInit, is_meta
+from zcore.dtensor import local_tensor
 from zcore.model_parallel import (
+    DataParallelRanks,
     ModelParallelMesh,
     check_parameters,
-    local_tensor,
     model_parallel_mesh,
     refuse_stages_without_parameters,
     refuse_with_model_parallel,
@@ -43,7 +45,7 @@ from zcore.policies import CommPolicy, OffloadPolicy, Policies, StagePolicy, Tie
 from zcore.partition import FlatUnit, Unit, pack_units
 from zcore.precision import MixedPrecision, precision_from_config
 from zcore.quantized_collectives import gradient_reduce_scatter
-from zcore.topology import DataParallelRanks, RankGroup, build_topology
+from zcore.topology import RankGroup, build_topology
 from zcore.progress import progress_bar
 from zcore.optim import CompressedAdam, CPUAdam
 from zcore.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.compressed_allreduce import padded_numel
 from zcore.gradient_shards import SwappedGradients
-from zcore.model_parallel import local_tensor
+from zcore.dtensor import local_tensor
 from zcore.optim import CompressedAdam, ZeroOneAdam
 from zcore.partition import Unit
 from zcore.policies import Policies, Tier

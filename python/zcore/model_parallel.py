@@ -22,9 +22,7 @@ tp rank and must count once.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Optional
 
 import torch
@@ -33,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zcore.comm import raise_if_any_failed
 from zcore.config import Config
+from zcore.dtensor import dtensor_module, is_dtensor, tp_sharded
 from zcore.errors import ConfigError
-from zcore.topology import RankGroup
+from zcore.topology import RankGroup, Topology
 
 DATA_PARALLEL, TENSOR_PARALLEL, PIPELINE_PARALLEL = "dp", "tp", "pp"
 KNOWN_DIMENSIONS = (DATA_PARALLEL, TENSOR_PARALLEL, PIPELINE_PARALLEL)
@@ -82,83 +81,6 @@ def model_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[ModelParallelMes
     )
 
 
-def _dtensor_module() -> Optional[ModuleType]:
-    """torch's DTensor module where it is loaded, else None. A model holding
-    DTensors has loaded it; importing it here would cost every ``import
-    zcore`` 0.7 s. torch 2.4 keeps it private."""
-    return sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
-
-
-def is_dtensor(t: object) -> bool:
-    module = _dtensor_module()
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def dtensor(local: torch.Tensor, spec: object, requires_grad: bool) -> torch.Tensor:
-    """A DTensor of ``local`` placed as ``spec`` (a DTensor's ``_spec``)."""
-    module = _dtensor_module()
-    assert module is not None, "a DTensor's spec exists only where its module is loaded"
-    return module.DTensor(local, spec, requires_grad=requires_grad)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's values of ``t``: a DTensor's local slice, or ``t``."""
-    return t._local_tensor if is_dtensor(t) else t
-
-
-def point_at(param: torch.nn.Parameter, values: torch.Tensor) -> None:
-    """``param`` computes with ``values`` (shaped as its local tensor) from now on."""
-    if is_dtensor(param):
-        param._local_tensor = values
-    else:
-        param.data = values
-
-
-def local_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``param``'s gradient, laid out as ``param``'s
-    local tensor (a DTensor gradient placed otherwise is redistributed
-    first: a collective over the parameter's mesh, in the same order on
-    every rank as autograd's hooks run)."""
-    if not is_dtensor(grad):
-        return grad
-    if grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad._local_tensor
-
-
-def tp_sharded(param: torch.Tensor) -> bool:
-    """Whether ``param``'s slices differ across tensor-parallel ranks."""
-    return is_dtensor(param) and any(isinstance(p, _dtensor_module().Shard) for p in param.placements)
-
-
-@dataclass(frozen=True)
-class TensorParallelSplit:
-    """How a parameter sharded over tp is cut: along ``dim`` into ``count``
-    parts as torch.chunk cuts (DTensor's Shard), this rank holding ``index``."""
-
-    dim: int
-    index: int
-    count: int
-
-    def part_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Each part's shape, for the whole tensor's ``shape``."""
-        size = shape[self.dim]
-        chunk = -(-size // self.count)
-        return [
-            (*shape[: self.dim], max(0, min(chunk, size - k * chunk)), *shape[self.dim + 1 :])
-            for k in range(self.count)
-        ]
-
-
-def tp_split(param: torch.Tensor) -> Optional[TensorParallelSplit]:
-    """How ``param`` is cut over tp; None when every tp rank holds it whole."""
-    if not tp_sharded(param):
-        return None
-    (placement,) = param.placements  # one mesh dimension: check_parameters holds it
-    mesh = param.device_mesh
-    return TensorParallelSplit(placement.dim, mesh.get_local_rank(), mesh.size())
-
-
 def check_parameters(model: torch.nn.Module, mesh: ModelParallelMesh) -> None:
     """Every DTensor parameter lives on the mesh's "tp" dimension, sharded
     along one dimension or replicated: what zcore can shard over "dp"."""
@@ -171,7 +93,7 @@ def check_parameters(model: torch.nn.Module, mesh: ModelParallelMesh) -> None:
     for name, p in model.named_parameters():
         if not is_dtensor(p):
             continue
-        placements, module = p.placements, _dtensor_module()
+        placements, module = p.placements, dtensor_module()
         on_tp = tp is not None and p.device_mesh.ndim == 1 and p.device_mesh.mesh.tolist() == tp.mesh.tolist()
         if not on_tp or not all(isinstance(pl, (module.Shard, module.Replicate)) for pl in placements):
             raise ConfigError(
@@ -243,3 +165,28 @@ def refuse_stages_without_parameters(model: torch.nn.Module, mesh: ModelParallel
             "pipeline, so each needs one: move a layer with parameters into it, or join it to a neighbour"
         )
     raise_if_any_failed(problem, "zcore.initialize", ConfigError)
+
+
+@dataclass(frozen=True)
+class DataParallelRanks:
+    """Stage 3 spreads each group's shards over ``shard`` (the data-parallel
+    ranks, or a MiCS shard group) and, with MiCS, holds the same shard on
+    every rank of ``replicas``; ``topology``: None where nothing needed
+    one. ``model_parallel``: the mesh whose "dp" dimension the data-parallel
+    ranks are (this module); None: they are the world."""
+
+    shard: RankGroup
+    replicas: Optional[RankGroup] = None
+    topology: Optional[Topology] = None
+    model_parallel: Optional[ModelParallelMesh] = None
+
+    @property
+    def data_parallel(self) -> RankGroup:
+        """Every data-parallel rank: the world, or this rank's group over the mesh's "dp"."""
+        return RankGroup.world() if self.model_parallel is None else self.model_parallel.data_parallel
+
+    @property
+    def writes_shards(self) -> bool:
+        """This rank's copy of its shards is the one a checkpoint stores
+        (the first shard group's)."""
+        return self.replicas is None or self.replicas.rank == 0

@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from zcore import _C, comm
+import zcore._C as _C
+from zcore import comm
 from zcore.external_params import ExternalParameters
 from zcore.errors import ConfigError
 from zcore.gather_buffers import BufferStats, GatherBuffers, arena_capacity

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from zcore.model_parallel import local_tensor, point_at
+from zcore.dtensor import local_tensor, point_at
 
 
 @dataclass(frozen=True)

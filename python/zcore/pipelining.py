@@ -37,7 +37,8 @@ from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 
 from zcore import comm
 from zcore.errors import ConfigError, InvalidStateError
-from zcore.model_parallel import PIPELINE_PARALLEL, ModelParallelMesh, local_tensor
+from zcore.dtensor import local_tensor
+from zcore.model_parallel import PIPELINE_PARALLEL, ModelParallelMesh
 
 
 class PipelineStage(TorchPipelineStage):

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zcore import _C, comm
+import zcore._C as _C
+from zcore import comm
 from zcore.errors import InvalidStateError
 from zcore.gather_buffers import GatherBuffers
 from zcore.recording_checks import RankAgreement, signature

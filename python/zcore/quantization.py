@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.errors import InvalidArgumentError
 from zcore.optim._tensors import NATIVE_DTYPES, check_tensor, dtype_names, kernel_device
 

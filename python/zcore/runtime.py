@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from zcore import _C
+import zcore._C as _C
 
 
 def cuda_available() -> bool:

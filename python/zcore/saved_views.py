@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from zcore.errors import InvalidStateError
-from zcore.model_parallel import dtensor, is_dtensor
+from zcore.dtensor import dtensor, is_dtensor
 from zcore.gather_buffers import GatherBuffers
 
 

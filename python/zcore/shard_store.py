@@ -28,7 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from zcore import _C, tracing
+import zcore._C as _C
+from zcore import tracing
 from zcore.errors import InvalidStateError
 from zcore.sharded_group import ShardedGroup
 from zcore.swap import SwapManager

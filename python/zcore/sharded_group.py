@@ -25,7 +25,7 @@ import torch
 
 from zcore import comm
 from zcore.errors import InvalidStateError
-from zcore.model_parallel import local_tensor, point_at
+from zcore.dtensor import local_tensor, point_at
 from zcore.partition import Piece, pieces_of
 from zcore.topology import RankGroup
 

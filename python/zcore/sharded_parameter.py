@@ -24,7 +24,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zcore.errors import InvalidStateError
-from zcore.model_parallel import is_dtensor
+from zcore.dtensor import is_dtensor
 
 if TYPE_CHECKING:
     from zcore.sharded_group import ShardedGroup

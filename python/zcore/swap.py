@@ -64,7 +64,8 @@ from typing import Callable
 
 import torch
 
-from zcore import _C, tracing
+import zcore._C as _C
+from zcore import tracing
 from zcore._staging import (
     BackendName,
     Staging,

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from zcore.model_parallel import ModelParallelMesh
 
 NODE, LOCAL = "node", "local"
 
@@ -152,31 +150,6 @@ class Topology:
             made = RankGroup(group, len(mine), mine.index(me))
         self._groups[key] = made
         return made
-
-
-@dataclass(frozen=True)
-class DataParallelRanks:
-    """Stage 3 spreads each group's shards over ``shard`` (the data-parallel
-    ranks, or a MiCS shard group) and, with MiCS, holds the same shard on
-    every rank of ``replicas``; ``topology``: None where nothing needed
-    one. ``model_parallel``: the mesh whose "dp" dimension the data-parallel
-    ranks are (zcore.model_parallel); None: they are the world."""
-
-    shard: RankGroup
-    replicas: Optional[RankGroup] = None
-    topology: Optional[Topology] = None
-    model_parallel: Optional[ModelParallelMesh] = None
-
-    @property
-    def data_parallel(self) -> RankGroup:
-        """Every data-parallel rank: the world, or this rank's group over the mesh's "dp"."""
-        return RankGroup.world() if self.model_parallel is None else self.model_parallel.data_parallel
-
-    @property
-    def writes_shards(self) -> bool:
-        """This rank's copy of its shards is the one a checkpoint stores
-        (the first shard group's)."""
-        return self.replicas is None or self.replicas.rank == 0
 
 
 def build_topology(device_mesh: Optional[DeviceMesh], device_type: str) -> Topology:

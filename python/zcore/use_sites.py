@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.sharded_group import ShardedGroup
 
 

@@ -26,7 +26,7 @@ import torch
 
 from zcore import comm
 from zcore.errors import CheckpointError
-from zcore.model_parallel import local_tensor, tp_split
+from zcore.dtensor import local_tensor, tp_split
 from zcore.sharded_group import ShardedGroup
 
 TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"

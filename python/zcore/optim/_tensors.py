@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.errors import InvalidArgumentError
 
 NATIVE_DTYPES = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zcore import _C
+import zcore._C as _C
 from zcore.errors import InvalidArgumentError
 from zcore.optim._tensors import (
     COPY_OUT_DTYPES,
