@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import zcore
-from zcore.aio_tune import aligned_buffer, parse_size
+from zcore.memory.aio_tune import aligned_buffer, parse_size
 
 GRID_BLOCK = (256 << 10, 1 << 20, 4 << 20)
 GRID_DEPTH = (16, 64)

@@ -552,7 +552,7 @@ def parse_args() -> argparse.Namespace:
         default=1e5,
         help="groups with fewer elements stay gathered for the step (0 disables)",
     )
-    parser.add_argument("--alignment", type=int, default=zcore.arena.DEFAULT_ALIGNMENT)
+    parser.add_argument("--alignment", type=int, default=zcore.memory.arena.DEFAULT_ALIGNMENT)
     parser.add_argument("--reps", type=int, default=20, help="timed passes per implementation")
     parser.add_argument("--bench-binary", type=Path, default=DEFAULT_BENCH_BINARY)
     parser.add_argument(

@@ -172,7 +172,7 @@ def _torch_restore(engine: Any, state: dict) -> None:
     """Puts a torch.load'ed state back, as zcore's load_checkpoint commits
     it: master shards, the parameters' shards, republished, then the
     optimizer states."""
-    from zcore.param_fetcher import ParamFetcher
+    from zcore.zero3.param_fetcher import ParamFetcher
 
     optimizer = engine.optimizer
     with torch.no_grad():

@@ -71,7 +71,7 @@ from torch import nn
 
 import zcore
 import zcore.optim as zo
-from zcore.aio_tune import parse_size
+from zcore.memory.aio_tune import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq per element

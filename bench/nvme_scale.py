@@ -18,7 +18,7 @@ depth), reads and writes a 4 GiB sample each way, giving the disk-bound time
 of the step's I/O (read bytes / fio read bandwidth + written bytes / fio
 write bandwidth). Peak RSS is the process's VmHWM, restarted before
 zcore.initialize. The script re-executes itself with
-MALLOC_MMAP_THRESHOLD_=1048576 (see the README's ZeRO-Infinity section).
+MALLOC_MMAP_THRESHOLD_=1048576 (see docs/guide/offload-and-nvme.md, start-up).
 GB = 1e9 bytes, GiB = 2**30.
 """
 

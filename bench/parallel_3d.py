@@ -100,7 +100,7 @@ def _build(system: str, mesh):
 
         return Schedule1F1B(pipe, n_microbatches=MICRO_BATCHES, loss_fn=lm_loss), step
     import zcore
-    from zcore.pipelining import PipelineStage as ZcorePipelineStage
+    from zcore.parallel.pipelining import PipelineStage as ZcorePipelineStage
 
     config = {
         "train_batch_size": DP * MICRO_BATCHES * ROWS,

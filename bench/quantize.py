@@ -1,4 +1,4 @@
-"""Blockwise quantization on the CPU: zcore.quantization against the same
+"""Blockwise quantization on the CPU: zcore.comm.quantization against the same
 operations written with torch ops (the peer).
 
 For int8 and int4, fp32 and bf16 tensors, 1 and 2 threads, and each size in
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 import zcore.optim as zo
-from zcore import quantization as zq
+from zcore.comm import quantization as zq
 
 MIB = 1 << 20
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import zcore
-from zcore.aio_tune import aligned_buffer, parse_size
+from zcore.memory.aio_tune import aligned_buffer, parse_size
 
 BLOCK_SIZE = 1 << 20
 QUEUE_DEPTH = 32

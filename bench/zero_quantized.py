@@ -15,7 +15,7 @@ the hierarchy saves shows in the bytes crossing nodes, not in time.
 
 The GPT is zcore.demo.gpt's default (23.2M parameters, as
 bench/zero_stages.py), each rank on one torch thread. Ranks join through
-zcore.counting_group, which runs gloo and counts the bytes each rank sends,
+zcore.comm.counting_group, which runs gloo and counts the bytes each rank sends,
 to which peer, on every process group. Per step: the slower rank's step
 time, the bytes rank 0 sent on all groups and those to ranks of another
 node, and the time rank 0's training thread was blocked on collectives
@@ -63,7 +63,7 @@ def _config(args, mode: str, stage: int) -> dict:
 
 
 def _train(rank: int, world: int, system: str, mode: str, stage: int, args) -> dict:
-    from zcore import counting_group
+    from zcore.comm import counting_group
     from zcore.demo.gpt import GPT, GPTConfig, lm_loss
 
     logging.getLogger("zcore.steps").addHandler(logging.NullHandler())

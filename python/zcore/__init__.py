@@ -4,12 +4,12 @@ The native core (``zcore._C``) decides what lives where and moves bytes; this
 package wires it into PyTorch.
 """
 
-from zcore import _C
-from zcore.aio import AioEngine, IoHandle
-from zcore.arena import Arena, Block
+import zcore._C  # noqa: F401 - the native module loads with the package
+from zcore.memory.aio import AioEngine, IoHandle
+from zcore.memory.arena import Arena, Block
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
-from zcore.config import Config
-from zcore.engine import Engine
+from zcore.config.schema import Config
+from zcore.engine.engine import Engine
 from zcore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -31,14 +31,14 @@ from zcore.errors import (
     ShortReadError,
     ZcoreError,
 )
-from zcore.estimate import estimate_memory
-from zcore.gathered_parameters import GatheredParameters, register_external_parameter
-from zcore.host_memory import HostMemory
-from zcore.initialize import initialize
-from zcore.recommend import recommend_config
-from zcore.meta_init import MetaInit
+from zcore.plan.estimate import estimate_memory
+from zcore.engine.gathered_parameters import GatheredParameters, register_external_parameter
+from zcore.memory.host_memory import HostMemory
+from zcore.engine.initialize import initialize
+from zcore.plan.recommend import recommend_config
+from zcore.zero3.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
-from zcore.swap import SwapManager
+from zcore.memory.swap import SwapManager
 
 __version__ = "0.1.0"
 

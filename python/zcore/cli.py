@@ -53,7 +53,7 @@ def consolidate(args: argparse.Namespace) -> int:
 
 def plot(args: argparse.Namespace) -> int:
     from zcore.errors import InvalidArgumentError
-    from zcore.plot import write_plots
+    from zcore.observe.plot import write_plots
 
     try:
         paths = write_plots(args.run_dir, args.output)
@@ -96,7 +96,7 @@ def bench_comm(args: argparse.Namespace) -> int:
         ])
     import torch
 
-    from zcore.comm_bench import run
+    from zcore.observe.comm_bench import run
     from zcore.demo.train import exit_now
 
     run(args.min_size, args.max_size, getattr(torch, _DTYPES[args.dtype]), args.iters, args.warmup)
@@ -109,10 +109,10 @@ def estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from zcore.config import load_config
+    from zcore.config.schema import load_config
     from zcore.errors import ZcoreError
-    from zcore.estimate import Planner
-    from zcore.recommend import Budget, choices, recommend
+    from zcore.plan.estimate import Planner
+    from zcore.plan.recommend import Budget, choices, recommend
 
     if (args.device_memory is None) != (args.host_memory is None):
         print("zcore estimate: give both --device-memory and --host-memory for a recommendation, or neither",

@@ -29,7 +29,7 @@ class Wait(enum.Enum):
     COMM = "comm_wait"  # a collective
     NVME = "nvme_wait"  # a read or write of a swap file, or the optimizer step behind the forward
     COPY = "copy_wait"  # a host<->device copy
-    STEP = "step_wait"  # the optimizer step running behind the forward (zcore.background_step)
+    STEP = "step_wait"  # the optimizer step running behind the forward (zcore.step.background_step)
 
 
 class WaitClock(Protocol):

@@ -65,10 +65,12 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from zcore.checkpoint.directory import LATEST
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
-from zcore.config import Config, load_config, read_config_file
-from zcore.engine import Engine
+from zcore.config.schema import Config, load_config, read_config_file
+from zcore.engine.engine import Engine
 from zcore.errors import ConfigError
-from zcore.initialize import initialize
+from zcore.engine.initialize import initialize
+
+__all__ = ["ZcoreTrainer"]
 
 CHECKPOINT_TAG = "zcore"
 TESTED_TRANSFORMERS = "5.24.0"  # the Trainer methods overridden here are private

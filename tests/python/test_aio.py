@@ -1,4 +1,4 @@
-"""zcore.aio against an independent reference (plain Python file I/O), on both
+"""zcore.memory.aio against an independent reference (plain Python file I/O), on both
 engines, with sizes, offsets and buffers that are aligned and ones that are not,
 and the documented exception on each fault path."""
 

@@ -1,4 +1,4 @@
-"""The optimizer step behind the next forward (zcore.background_step).
+"""The optimizer step behind the next forward (zcore.step.background_step).
 
 At stage 3 with the optimizer states on NVMe and every parameter shard in
 host memory, engine.step() returns while a worker streams the sub-groups;
@@ -23,7 +23,7 @@ import pytest
 
 from distributed import run_ranks
 from training import ON_DEMAND, assert_matches, train_reference, train_zcore, zcore_config
-from zcore.background_step import BackgroundStep, StepState
+from zcore.step.background_step import BackgroundStep, StepState
 from zcore.errors import InvalidStateError
 
 STEPS = 6
@@ -98,7 +98,7 @@ def config(path: str, layout: str = "on demand") -> dict:
 
 
 def train_slowed(rank, world, path, layout):
-    from zcore.swapped_optimizer import SwappedAdamUpdate
+    from zcore.step.swapped_optimizer import SwappedAdamUpdate
 
     slow_sub_groups(SwappedAdamUpdate)
     overtaken = []
@@ -106,16 +106,16 @@ def train_slowed(rank, world, path, layout):
     def watch(engine):
         return overtaken
 
-    import zcore.engine
+    import zcore.engine.engine
 
-    original_step = zcore.engine.Engine.step
+    original_step = zcore.engine.engine.Engine.step
 
     def step(self):
         original_step(self)
         background = self.optimizer.update.background
         overtaken.append(background is not None and background.state is StepState.RUNNING)
 
-    zcore.engine.Engine.step = step
+    zcore.engine.engine.Engine.step = step
     return train_zcore(rank, world, "gpt", config(path, layout), STEPS, inspect=watch)
 
 
@@ -135,7 +135,7 @@ def fail_behind(rank, world, path):
 
     import zcore
     from models import make_model
-    from zcore.swapped_optimizer import SwappedAdamUpdate
+    from zcore.step.swapped_optimizer import SwappedAdamUpdate
 
     original = SwappedAdamUpdate._step_sub_group
     calls = []

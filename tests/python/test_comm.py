@@ -1,4 +1,4 @@
-"""zcore.comm's collectives on gloo (point-to-point all-gather, all-to-all
+"""zcore.comm.collectives's collectives on gloo (point-to-point all-gather, all-to-all
 reduce-scatter) give what torch.distributed's own give, on 2 and 3 ranks,
 for several sizes and dtypes, issued back to back before any is waited;
 and a handle can be waited twice, as a torch Work can."""
@@ -19,7 +19,7 @@ def shard_of(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tens
 
 
 def check_collectives(rank, world):
-    from zcore import comm
+    from zcore.comm import collectives as comm
 
     comm.init_distributed()
     cases = [(n, d) for n in SIZES for d in DTYPES]

@@ -22,8 +22,8 @@ def table_sizes(text: str) -> list[str]:
 
 
 def bench(rank: int, world: int) -> tuple[list[int], list, str]:
-    from zcore import comm
-    from zcore.comm_bench import measure, message_sizes, report
+    from zcore.comm import collectives as comm
+    from zcore.observe.comm_bench import measure, message_sizes, report
 
     comm.init_distributed()
     sizes = message_sizes(4 * KIB, 64 * KIB, world, torch.float32)
@@ -32,7 +32,7 @@ def bench(rank: int, world: int) -> tuple[list[int], list, str]:
 
 
 def test_every_size_is_measured_and_the_bucket_size_is_at_90_percent_of_peak() -> None:
-    from zcore.comm_bench import ALL_GATHER, REDUCE_SCATTER, at_peak_fraction
+    from zcore.observe.comm_bench import ALL_GATHER, REDUCE_SCATTER, at_peak_fraction
 
     (sizes, results, text), (_, other, _) = run_ranks(bench, 2, timeout=120)
     assert sizes == [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB]
@@ -54,8 +54,8 @@ def test_every_size_is_measured_and_the_bucket_size_is_at_90_percent_of_peak() -
 
 def bench_broken_gather(rank: int, world: int) -> str:
     """Rank 1's all-gather delivers one wrong element."""
-    from zcore import comm
-    from zcore.comm_bench import measure
+    from zcore.comm import collectives as comm
+    from zcore.observe.comm_bench import measure
 
     comm.init_distributed()
     real = comm.all_gather_into
@@ -81,7 +81,7 @@ def test_a_broken_collective_fails_the_bench_on_every_rank() -> None:
 
 
 def test_sizes_are_whole_elements_on_every_rank() -> None:
-    from zcore.comm_bench import message_sizes
+    from zcore.observe.comm_bench import message_sizes
     from zcore.errors import InvalidArgumentError
 
     assert message_sizes(1, 100, 3, torch.bfloat16) == [6, 12, 30, 60]  # 1, 2, 4 and 8 bytes round to 6

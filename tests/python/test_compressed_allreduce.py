@@ -1,4 +1,4 @@
-"""The 1-bit all-reduce with error feedback (zcore.compressed_allreduce), on
+"""The 1-bit all-reduce with error feedback (zcore.comm.compressed_allreduce), on
 2 and 4 gloo ranks, against a single-process reference written here from
 the algorithm's description: every worker and every server simulated, no
 bit packing, no messages. Then the error-feedback identity, which holds
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from zcore import comm
-from zcore.compressed_allreduce import ErrorFeedback, compressed_all_reduce, padded_numel
+from zcore.comm import collectives as comm
+from zcore.comm.compressed_allreduce import ErrorFeedback, compressed_all_reduce, padded_numel
 
 SIZES = (1, 37, 1000, 0, 4096)  # one element, ragged, several chunks, empty, already aligned
 ROUNDS = 4

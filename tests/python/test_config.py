@@ -6,7 +6,7 @@ import os
 import pytest
 
 import zcore
-from zcore.config import load_config, resolve_batch_sizes
+from zcore.config.schema import load_config, resolve_batch_sizes
 
 
 def test_deepspeed_config_file_loads(tmp_path):

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import zcore
-from zcore.config import load_config
+from zcore.config.schema import load_config
 from zcore.optim import OneBitAdam, ZeroOneAdam
 
 # Deterministic (CI runs the same examples every time) and short.

@@ -1,17 +1,17 @@
-"""zcore.counting_group counts what each operation sends, and zcore's
+"""zcore.comm.counting_group counts what each operation sends, and zcore's
 stages 2 and 3 send what the theory says.
 
 Primitives, on 2 and 3 ranks: every operation zcore issues runs on the
 counting default group and on a plain gloo group side by side, with the same
 results; the counts match figures worked out by hand from the conventions in
-zcore.counting_group's docstring. Subgroups count on their own.
+zcore.comm.counting_group's docstring. Subgroups count on their own.
 
 The theory, on TinyGPT (26 parameter tensors, a tied embedding and LM head)
 at world W = 2, 3 and 4 (3 pads groups). c: bytes per compute element (fp32
 4, bf16 2); r: per reduced element (4: fp32 unless communication_data_type);
 A: micro-steps per step; pad(n): n rounded up to a multiple of W. On gloo,
 zcore's all-gather is point-to-point sends and its reduce-scatter an
-all-to-all (zcore.comm), which count the same bytes as an all-gather and a
+all-to-all (zcore.comm.collectives), which count the same bytes as an all-gather and a
 reduce-scatter would. Per step:
 
 Stage 3. Groups: each module's own parameters (a tied one goes with the first
@@ -48,8 +48,8 @@ import zcore
 from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
 from training import rows, zcore_config
-from zcore import counting_group
-from zcore.quantized_collectives import GRADIENT_BITS, GRADIENT_BLOCK, WEIGHT_BITS, WEIGHT_BLOCK
+from zcore.comm import counting_group
+from zcore.comm.quantized_collectives import GRADIENT_BITS, GRADIENT_BLOCK, WEIGHT_BITS, WEIGHT_BLOCK
 
 
 # Primitives.
@@ -187,7 +187,7 @@ VARIANTS = [
     ("stage 3 bf16 on demand, 2 micro-steps", 3, "bf16", 2, ON_DEMAND),
     ("stage 3 fp32 ample budget", 3, "fp32", 1, AMPLE),
     ("stage 2 bf16, 2 micro-steps", 2, "bf16", 2, {}),
-    # ZeRO++ (zcore.quantized_collectives): the same gathers and reductions, quantized.
+    # ZeRO++ (zcore.comm.quantized_collectives): the same gathers and reductions, quantized.
     ("stage 3 bf16 on demand, qwZ and qgZ", 3, "bf16", 2, QUANTIZED),
     ("stage 3 fp32 on demand, qwZ and qgZ", 3, "fp32", 1, QUANTIZED),
 ]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import zcore
-from zcore.aio import AioEngine
-from zcore._staging import PAGE
+from zcore.memory.aio import AioEngine
+from zcore.memory.staging import PAGE
 from zcore.checkpoint.direct_file import CHUNK, DEPTH, DirectAppender
 
 

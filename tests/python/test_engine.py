@@ -201,7 +201,7 @@ def check_schedulers_and_fresh_state(rank, world):
     plateau.backward(nn.functional.mse_loss(plateau(x), y))
     with pytest.raises(TypeError, match="metrics"):
         plateau.step()
-    assert (plateau.global_steps, plateau.micro_step_phase) == (4, zcore.engine.MicroStep.AWAITING_BACKWARD)
+    assert (plateau.global_steps, plateau.micro_step_phase) == (4, zcore.engine.engine.MicroStep.AWAITING_BACKWARD)
 
     model = small_model()
     reference = small_model()

@@ -21,9 +21,9 @@ import zcore
 from distributed import run_ranks
 from models import TinyGPT
 from training import ON_DEMAND, zcore_config
-from zcore.config import FlopsProfilerConfig
+from zcore.config.schema import FlopsProfilerConfig
 from zcore.errors import ConfigError, InvalidStateError
-from zcore.flops_profiler import FlopsProfiler, ProfilerState
+from zcore.observe.flops_profiler import FlopsProfiler, ProfilerState
 
 BATCH = 4
 # TinyGPT: vocabulary, sequence, width, heads, blocks.

@@ -1,7 +1,7 @@
-"""qgZ across nodes (zcore.quantized_collectives.gradient_reduce_scatter
+"""qgZ across nodes (zcore.comm.quantized_collectives.gradient_reduce_scatter
 with ``nodes``): a two-level reduce-scatter (int8 within the node, int4
 across nodes, in blocks of 32), and the flat int4 one over a
-subgroup. World 4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2, zcore.topology):
+subgroup. World 4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2, zcore.comm.topology):
 positions node-major, rank 2 is node 1's local index 0.
 
 The bound. Quantizing a slice x in blocks of 64 decodes each element to
@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from test_counting_group import quantized_bytes
 from test_zero_quantized import assert_trains_alike, train, windows
-from zcore import counting_group
-from zcore.quantized_collectives import (
+from zcore.comm import counting_group
+from zcore.comm.quantized_collectives import (
     ACROSS_NODES_BITS,
     ACROSS_NODES_BLOCK,
     GRADIENT_BITS,
@@ -68,7 +68,7 @@ from zcore.quantized_collectives import (
     NODE_BITS,
     gradient_reduce_scatter,
 )
-from zcore.topology import RankGroup, Topology, build_topology
+from zcore.comm.topology import RankGroup, Topology, build_topology
 
 WORLD, LOCAL = 4, 2
 NODES = WORLD // LOCAL

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from zcore.config import load_config
-from zcore.lr_schedules import SCHEDULES
+from zcore.config.schema import load_config
+from zcore.optim.lr_schedules import SCHEDULES
 
 
 def schedule(kind, params, lr=0.1):

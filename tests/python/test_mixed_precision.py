@@ -22,7 +22,7 @@ import zcore
 from distributed import run_ranks
 from models import global_batch, loss_of, make_model
 from training import assert_matches, train_reference, train_zcore, zcore_config
-from zcore.precision import DynamicLossScaler
+from zcore.step.precision import DynamicLossScaler
 
 STEPS = 20
 LOSS_TOLERANCE = {"bf16": 2e-4, "fp16": 2e-5}

@@ -1,4 +1,4 @@
-"""zcore.module_calls: the life of one module call as a state machine, and
+"""zcore.zero3.module_calls: the life of one module call as a state machine, and
 the plan executor's refusal of an action it does not know."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from zcore.errors import InvalidStateError
-from zcore.module_calls import CallState, ModuleCall
-from zcore.plan_execution import PlanExecutor
+from zcore.zero3.module_calls import CallState, ModuleCall
+from zcore.zero3.plan_execution import PlanExecutor
 
 
 def test_a_call_goes_forward_backward_and_again_with_a_retained_graph() -> None:

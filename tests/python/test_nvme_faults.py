@@ -315,7 +315,7 @@ def optimizer_file_vanishes(rank, world, nvme: str) -> dict:
 
 def test_a_vanished_optimizer_swap_file_is_lost_at_the_next_forward(nvme_tmpfs: Path) -> None:
     """The parameters are in host memory, so the step streams the
-    sub-groups behind the next forward (zcore.background_step): the loss
+    sub-groups behind the next forward (zcore.step.background_step): the loss
     surfaces when that forward is done."""
     out = run_ranks(optimizer_file_vanishes, 1, str(nvme_tmpfs), launcher=False, timeout=120)[0]
     assert out["step"]["error"] is None, out["step"]

@@ -10,7 +10,7 @@ optimizer types; zcore.optim.compressed_adam) at ZeRO stage 0 on gloo ranks.
   smaller early on (measured here: 1.74 against 1.19 evaluation loss after
   60 steps at world 2; 1-bit Adam 1.20, 0/1 Adam 1.22). On the compressed
   steps the engine's gradient all-reduce is off: what each rank sends is
-  counted (zcore.counting_group).
+  counted (zcore.comm.counting_group).
 - fp16 overflow on one rank skips the step on all, clipping uses each
   rank's own norm (DeepSpeed's rules with local gradients).
 - Configs: DeepSpeed's accepted, the combinations that cannot work refused
@@ -33,8 +33,8 @@ from distributed import run_ranks
 from models import TinyGPT, global_batch, loss_of, make_model
 from test_zero_quantized import lm_loss, sequences
 from training import GLOBAL_BATCH, assert_matches, relative_error, rows, train_zcore, zcore_config
-from zcore import counting_group
-from zcore.config import load_config
+from zcore.comm import counting_group
+from zcore.config.schema import load_config
 from zcore.optim import OneBitAdam, ZeroOneAdam
 from zcore.optim.zero_one_adam import Intervals, Phase
 

@@ -1,4 +1,4 @@
-"""zcore under torch's pipeline parallelism (zcore.pipelining): world 4 as a
+"""zcore under torch's pipeline parallelism (zcore.parallel.pipelining): world 4 as a
 DeviceMesh of 2 "pp" x 2 "dp". The GPT is cut into two stages (embeddings
 and block 0; block 1, final norm and LM head), each sharded by zcore over
 its dp group, and torch's schedules (1F1B, GPipe) run 2 micro-batches per

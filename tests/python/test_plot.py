@@ -15,7 +15,7 @@ from matplotlib.image import imread
 
 from zcore import cli
 from zcore.errors import InvalidArgumentError
-from zcore.plot import file_name, read_series, write_plots
+from zcore.observe.plot import file_name, read_series, write_plots
 
 PICTURES = ("loss_lr.png", "throughput.png", "step_time.png", "memory.png")
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""zcore.policies: the config decoded once into what each stage shards and
+"""zcore.config.policies: the config decoded once into what each stage shards and
 where the optimizer's states live, against DeepSpeed's documented meaning of
 each stage and offload setting."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zcore.comm import DistributedContext
-from zcore.config import load_config
-from zcore.policies import Tier, policies_from_config
+from zcore.comm.collectives import DistributedContext
+from zcore.config.schema import load_config
+from zcore.config.policies import Tier, policies_from_config
 
 
 def context(world_size: int = 4, rank: int = 2, device: str = "cpu") -> DistributedContext:

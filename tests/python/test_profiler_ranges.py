@@ -67,7 +67,7 @@ def traced_run(rank: int, world: int, tmp: str, params_on_nvme: bool, all_thread
         with profile(activities=[ProfilerActivity.CPU], experimental_config=experimental) as prof:
             for step in range(1, 1 + STEPS):
                 train(engine, step, rank)
-            engine.optimizer.finish_step()  # the last step may run behind (zcore.background_step)
+            engine.optimizer.finish_step()  # the last step may run behind (zcore.step.background_step)
     finally:
         tracing.record_function = record_function
     trace = f"{tmp}/rank{rank}.json"

@@ -1,4 +1,4 @@
-"""Blockwise int8/int4 quantization (zcore.quantization) against a reference
+"""Blockwise int8/int4 quantization (zcore.comm.quantization) against a reference
 written here with torch ops: the same codes, scales and decoded values bit for
 bit, on every SIMD level and thread count, within scale/2 per element; NaN
 and Inf blocks decode to NaN; bad arguments raise with what was given and
@@ -12,7 +12,7 @@ import torch
 import zcore
 import zcore.optim as zo
 from zcore import _C
-from zcore import quantization as zq
+from zcore.comm import quantization as zq
 
 needs_gpu = pytest.mark.skipif(
     not zcore.cuda_available(), reason=f"no usable CUDA GPU: {zcore.cuda_unavailable_reason()}"

@@ -1,5 +1,5 @@
-"""Per-step metrics (zcore.step_metrics) and the monitors that write them
-(zcore.monitors): each figure against an independent reference."""
+"""Per-step metrics (zcore.observe.step_metrics) and the monitors that write them
+(zcore.observe.monitors): each figure against an independent reference."""
 
 from __future__ import annotations
 

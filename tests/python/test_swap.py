@@ -1,4 +1,4 @@
-"""zcore.swap: tensors out to the swap file and back byte for byte, the
+"""zcore.memory.swap: tensors out to the swap file and back byte for byte, the
 pipelined stream, reuse of swap space, the checks made before training, and
 sharing a directory (one file per manager, leftovers of killed runs removed)."""
 

@@ -1,9 +1,9 @@
-"""Sizing the NVMe optimizer's sub-groups (zcore.swapped_optimizer.sub_group_elements)."""
+"""Sizing the NVMe optimizer's sub-groups (zcore.step.swapped_optimizer.sub_group_elements)."""
 
 import pytest
 
 from zcore.errors import ConfigError
-from zcore.swapped_optimizer import sub_group_elements
+from zcore.step.swapped_optimizer import sub_group_elements
 
 GiB = 1 << 30
 PER_ELEMENT = 4 * 12  # four buffers of fp32 master, exp_avg and exp_avg_sq

@@ -1,4 +1,4 @@
-"""zcore composed with torch's tensor parallelism (zcore.model_parallel):
+"""zcore composed with torch's tensor parallelism (zcore.parallel.mesh):
 world 4 as a DeviceMesh of 2 "dp" x 2 "tp". Each block's MLP of the tied
 GPT is split Megatron-style with ``parallelize_module`` (c_fc column-wise,
 c_out row-wise: DTensor parameters sharded over "tp"); the rest of the model

@@ -1,4 +1,4 @@
-"""zcore.topology: which ranks share a node, from LOCAL_WORLD_SIZE or from
+"""zcore.comm.topology: which ranks share a node, from LOCAL_WORLD_SIZE or from
 the user's DeviceMesh, and the process groups built from it (checked by
 all-reducing each rank's number over each group: the sum names the members)."""
 
@@ -15,7 +15,7 @@ import zcore
 from distributed import run_ranks
 from models import make_model
 from zcore.errors import ConfigError
-from zcore.topology import build_topology
+from zcore.comm.topology import build_topology
 
 
 def members(group) -> int:

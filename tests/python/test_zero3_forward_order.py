@@ -1,5 +1,5 @@
 """ZeRO-3 with forwards that run before earlier forwards' backwards
-(zcore.pending_backwards): one step spans them all, so nothing gathered in
+(zcore.zero3.pending_backwards): one step spans them all, so nothing gathered in
 a later backward outlives the optimizer's update. Each loop matches a
 single-process torch AdamW run over the same global batches, and leaves
 nothing gathered."""
@@ -13,7 +13,7 @@ import zcore
 from distributed import run_ranks
 from models import global_batch, loss_of, make_model
 from training import ON_DEMAND, TIGHT, assert_matches, rows, train_reference, zcore_config
-from zcore.pending_backwards import PendingBackwards
+from zcore.zero3.pending_backwards import PendingBackwards
 
 STEPS = 8
 BATCH = 8

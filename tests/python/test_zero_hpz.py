@@ -1,9 +1,9 @@
-"""ZeRO++ hpZ (``zero_hpz_partition_size``, zcore.secondary_partition) on
+"""ZeRO++ hpZ (``zero_hpz_partition_size``, zcore.zero3.secondary_partition) on
 world 4 as 2 nodes x 2 ranks: exact against single-process torch AdamW,
 its later gathers within the node, its secondaries dropped whenever the
 shards change, and the configurations it cannot serve refused.
 
-Bytes per step, counted on the process groups (zcore.counting_group), on
+Bytes per step, counted on the process groups (zcore.comm.counting_group), on
 TinyGPT with each use gathering its groups and releasing them at its exit
 (stage3_max_live_parameters 0, stage3_max_reuse_distance 0). W = 4 ranks,
 blocks of h = 2, c = 4 bytes per fp32 element, A = 2 micro-steps; P: the
@@ -35,11 +35,11 @@ from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
 from test_counting_group import quantized_bytes, stage3_layout
 from training import TIGHT, assert_matches, rows, train_reference, train_zcore, zcore_config
-from zcore import counting_group
-from zcore.comm import DistributedContext
-from zcore.config import load_config
-from zcore.policies import policies_from_config
-from zcore.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK
+from zcore.comm import counting_group
+from zcore.comm.collectives import DistributedContext
+from zcore.config.schema import load_config
+from zcore.config.policies import policies_from_config
+from zcore.comm.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK
 
 WORLD, HPZ = 4, 2
 STEPS, TOLERANCE = 20, 1e-5

@@ -3,7 +3,7 @@
 per step as the theory says on each process group, checkpoints that
 reload at another world size and layout, and what it cannot serve refused.
 
-Bytes per step, counted on the process groups (zcore.counting_group), on
+Bytes per step, counted on the process groups (zcore.comm.counting_group), on
 TinyGPT with every use gathering its groups and releasing them at its exit
 (as test_zero_hpz). W = 4 ranks, shard groups of s = 2
 consecutive ranks (a node), replica groups of r = W / s = 2 ranks holding
@@ -22,7 +22,7 @@ nodes go only the replica all-reduce and the flags.
 qwZ (``zero_quantized_weights``) with the hierarchical gather, shard
 groups of s = 4 (the world: both nodes). Each rank quantizes its shard
 once, to int8 in blocks of 2048 with scale max|block| / 127
-(zcore.quantized_collectives); the two levels carry those bytes
+(zcore.comm.quantized_collectives); the two levels carry those bytes
 unchanged and every rank decodes all s slices at the end. So the
 weights are exactly a flat qwZ gather's over the group, the same on
 every rank, each element within half a scale, max|block| / 254, of its
@@ -76,14 +76,14 @@ from test_counting_group import quantized_bytes, stage3_layout
 from test_zero_quantized import assert_trains_alike
 from test_zero_quantized import train as train_tied_gpt
 from training import TIGHT, assert_matches, rows, train_reference, train_zcore, zcore_config
-from zcore import counting_group
-from zcore.comm import DistributedContext
-from zcore.config import load_config
+from zcore.comm import counting_group
+from zcore.comm.collectives import DistributedContext
+from zcore.config.schema import load_config
 from zcore.errors import ConfigError
-from zcore.hierarchical_gather import hierarchical_gather
-from zcore.policies import policies_from_config
-from zcore.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK, weight_gather
-from zcore.topology import build_topology
+from zcore.comm.hierarchical_gather import hierarchical_gather
+from zcore.config.policies import policies_from_config
+from zcore.comm.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK, weight_gather
+from zcore.comm.topology import build_topology
 
 WORLD, LOCAL, STEPS, TOLERANCE = 4, 2, 20, 1e-5
 BATCH = 16  # world x accumulation 2 x 2 rows

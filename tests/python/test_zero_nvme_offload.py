@@ -58,7 +58,7 @@ def variants(path: str) -> list[tuple]:
 
 def swap_traffic(engine) -> dict:
     """Bytes that went through each swap file of this rank."""
-    # The last step may still be writing behind (zcore.background_step).
+    # The last step may still be writing behind (zcore.step.background_step).
     engine.optimizer.finish_step()
     out = {}
     store = engine.residency._store if engine.zero_stage == 3 else None

@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized collectives (zcore.quantized_collectives): qwZ
+"""ZeRO++'s quantized collectives (zcore.comm.quantized_collectives): qwZ
 (``zero_quantized_weights``: int8 weight all-gathers) and qgZ
 (``zero_quantized_gradients``: int4 gradient reduce-scatters) train as
 the unquantized engine does, within a tolerance the quantization error

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zcore._staging import page_placed
-from zcore.aio import AioEngine, IoHandle
+from zcore.memory.staging import page_placed
+from zcore.memory.aio import AioEngine, IoHandle
 
 CHUNK = 8 << 20  # bytes per staging buffer, a multiple of PAGE
 DEPTH = 4  # staging buffers: one filling while the others are written

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from zcore import comm
+from zcore.comm import collectives as comm
 from zcore.checkpoint.files import JSON_BYTES, LATEST_BYTES, read_small, shown
 from zcore.errors import CheckpointError
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import xxhash
 
-from zcore.aio import AioEngine
+from zcore.memory.aio import AioEngine
 from zcore.checkpoint.direct_file import DirectAppender
 from zcore.checkpoint.files import JSON_BYTES, open_regular, read_small
 from zcore.errors import CheckpointCorruptError, DiskFullError, DiskIOError

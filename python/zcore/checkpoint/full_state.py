@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from zcore.checkpoint.layout import EngineLayout, engine_layout
 from zcore.errors import InvalidStateError
-from zcore.swapped_optimizer import SwappedMaster
-from zcore.topology import RankGroup
+from zcore.step.swapped_optimizer import SwappedMaster
+from zcore.comm.topology import RankGroup
 
 
 def refuse_model_parallel(engine: Any, what: str) -> None:

@@ -9,7 +9,7 @@ on this rank, with a view of where it lives: a piece of an fp32 master shard
 frozen parameter or buffer (stages 0-2, buffers in every stage). Ranges on
 NVMe have a meta tensor instead of a view (zcore.checkpoint.slot_values).
 
-Under tensor parallelism (zcore.model_parallel) a parameter sharded over
+Under tensor parallelism (zcore.parallel.mesh) a parameter sharded over
 "tp" is stored as parts, one tensor per tp rank named ``NAME@tpK`` (its
 slice, ranged over the data-parallel ranks as any tensor), and ``NAME``'s
 record says which parts join along which dimension; a parameter every tp
@@ -24,10 +24,10 @@ from typing import Any, Optional
 
 import torch
 
-from zcore import comm
+from zcore.comm import collectives as comm
 from zcore.errors import CheckpointError
-from zcore.dtensor import local_tensor, tp_split
-from zcore.sharded_group import ShardedGroup
+from zcore.parallel.dtensor import local_tensor, tp_split
+from zcore.zero3.sharded_group import ShardedGroup
 
 TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"
 
@@ -161,7 +161,7 @@ def engine_layout(engine: Any) -> EngineLayout:
 
 
 def whole_model_layout(engine: Any, layout: EngineLayout) -> EngineLayout:
-    """Under pipeline parallelism (zcore.pipelining), ``layout`` with the
+    """Under pipeline parallelism (zcore.parallel.pipelining), ``layout`` with the
     tensors, state-dict keys and optimizer groups of every stage, which
     meta.json records (collective: every rank calls it); otherwise
     ``layout``. Stages must name their tensors apart, as the whole model

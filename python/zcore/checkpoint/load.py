@@ -19,8 +19,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from zcore import comm
-from zcore.aio import AioEngine
+from zcore.comm import collectives as comm
+from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, schema, training_state
 from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos, whole_model_layout
@@ -30,8 +30,8 @@ from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
 from zcore.optim import CompressedAdam
 from zcore.progress import progress_bar
-from zcore.swap import SwapManager
-from zcore.swapped_optimizer import SwappedMaster
+from zcore.memory.swap import SwapManager
+from zcore.step.swapped_optimizer import SwappedMaster
 
 log = logging.getLogger("zcore")
 

@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from tqdm import tqdm
 
-from zcore import comm
+from zcore.comm import collectives as comm
 from zcore.checkpoint import durable
 from zcore.checkpoint.files import read_small, size_in_bytes
 from zcore.checkpoint.full_state import full_state_tensors, refuse_model_parallel, tensor_order

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from zcore.checkpoint.layout import TensorInfo
-from zcore.dtensor import TensorParallelSplit
+from zcore.parallel.dtensor import TensorParallelSplit
 
 
 class RecutParts:

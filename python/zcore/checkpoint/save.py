@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from zcore import comm
-from zcore.aio import AioEngine
+from zcore.comm import collectives as comm
+from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, training_state
 from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout, whole_model_layout
 from zcore.checkpoint.slot_values import SlotValues

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from zcore.aio import AioEngine
+from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory
 from zcore.checkpoint.schema import RankIndex
 from zcore.checkpoint.tensor_file import FileRecord, TensorFileReader

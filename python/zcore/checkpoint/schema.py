@@ -84,7 +84,7 @@ class TensorRecord(Record):
 
 
 class Counters(Record):
-    """The engine's step counters (zcore.engine.Engine.restore_counters)."""
+    """The engine's step counters (zcore.Engine.restore_counters)."""
 
     global_steps: Count
     global_samples: Count

@@ -3,7 +3,7 @@ where they live.
 
 Slots in memory (zcore.checkpoint.layout) are views, read and written in
 place. Two kinds are on NVMe and have only a meta tensor:
-- trained slots whose optimizer states are on NVMe (zcore.swapped_optimizer):
+- trained slots whose optimizer states are on NVMe (zcore.step.swapped_optimizer):
   saving streams the sub-groups (``trained``); loading writes new sub-groups
   aside (``SwappedMaster.stage``) and adopts them at commit;
 - frozen ZeRO-3 slots whose group's shard is on NVMe: read one group at a
@@ -19,7 +19,7 @@ import torch
 
 from zcore.checkpoint.layout import Slot
 from zcore.errors import InvalidStateError
-from zcore.swapped_optimizer import SwappedMaster
+from zcore.step.swapped_optimizer import SwappedMaster
 
 
 class SlotValues:

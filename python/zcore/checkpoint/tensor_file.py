@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 import xxhash
 
-from zcore.aio import AioEngine
+from zcore.memory.aio import AioEngine
 from zcore.checkpoint import durable
-from zcore._staging import page_placed
+from zcore.memory.staging import page_placed
 from zcore.checkpoint.files import open_regular
 from zcore.errors import CheckpointCorruptError, CheckpointError
 

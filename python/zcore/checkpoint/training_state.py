@@ -133,7 +133,7 @@ def check_scheduler(scheduler: Any, saved: dict) -> None:
     """Raises ValueError unless ``saved`` fits ``scheduler``'s state_dict;
     zcore's own schedules also compute their learning rates from it."""
     check_like(saved, scheduler.state_dict(), "")
-    if hasattr(scheduler, "_apply"):  # zcore.lr_schedules: a probe that leaves the optimizer alone
+    if hasattr(scheduler, "_apply"):  # zcore.optim.lr_schedules: a probe that leaves the optimizer alone
         probe = copy.copy(scheduler)
         probe.last_batch_iteration = saved["last_batch_iteration"]
         try:

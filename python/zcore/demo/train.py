@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import zcore
 from zcore.demo.gpt import GPT, GPTConfig, lm_loss
-from zcore.memory_report import TIERS
+from zcore.observe.memory_report import TIERS
 
 MODEL = GPTConfig(vocab_size=256, seq_len=128, d_model=192, n_layers=4, n_heads=4)
 _MIB = 2**20

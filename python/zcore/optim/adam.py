@@ -20,7 +20,7 @@ import torch
 
 from zcore.errors import InvalidArgumentError
 from zcore.optim.functional import AdamConfig, adam_step
-from zcore.optim._tensors import FP32, check_tensor
+from zcore.memory.kernel_tensors import FP32, check_tensor
 
 
 def group_config(group: dict[str, Any]) -> AdamConfig:

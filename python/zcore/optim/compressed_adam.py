@@ -7,7 +7,7 @@ DeepSpeed facts both follow (deepspeed/runtime/fp16/onebit):
   ``bias_correction`` argument and never applies it).
 - On some steps the optimizer, not the engine, averages over the ranks:
   it then steps on each rank's own gradient and sends 1-bit messages
-  (zcore.compressed_allreduce). ``takes_averaged_gradients()`` tells the
+  (zcore.comm.compressed_allreduce). ``takes_averaged_gradients()`` tells the
   engine, before each step's backward, which kind of step comes.
 - ``exp_avg_mask`` in a parameter group multiplies the momentum after each
   compressed exchange (1-bit messages cannot carry exact zeros, so entries
@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from zcore import comm
-from zcore.compressed_allreduce import ErrorFeedback, compressed_all_reduce
+from zcore.comm import collectives as comm
+from zcore.comm.compressed_allreduce import ErrorFeedback, compressed_all_reduce
 from zcore.errors import InvalidArgumentError
 from zcore.optim.functional import AdamConfig
 
@@ -81,7 +81,7 @@ class CompressedAdam(torch.optim.Optimizer):
         self.errors.clear()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """What this optimizer keeps beside ``state`` (zcore.memory_report
+        """What this optimizer keeps beside ``state`` (zcore.observe.memory_report
         counts it): each parameter's error feedback, made at its first
         compressed exchange and dropped by a checkpoint load."""
         return [t for error in self.errors.values() for t in (error.worker, error.server)]

@@ -19,7 +19,7 @@ import torch
 
 import zcore._C as _C
 from zcore.errors import InvalidArgumentError
-from zcore.optim._tensors import (
+from zcore.memory.kernel_tensors import (
     COPY_OUT_DTYPES,
     FP32,
     GRAD_DTYPES,

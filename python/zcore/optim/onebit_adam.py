@@ -6,7 +6,7 @@ Two phases (arXiv:2102.02888; deepspeed/runtime/fp16/onebit/adam.py):
 - Compression, every later step: the variance ``exp_avg_sq`` stays as the
   warm-up left it; each rank folds its own gradient into its momentum,
   and the momenta are averaged by the 1-bit all-reduce with error
-  feedback (zcore.compressed_allreduce), which leaves every rank the same
+  feedback (zcore.comm.compressed_allreduce), which leaves every rank the same
   momentum, hence the same update.
 
 A parameter group with ``"non_freeze": True`` stays exact in the second

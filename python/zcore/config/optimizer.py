@@ -1,0 +1,199 @@
+"""The optimizer section of zcore's config: DeepSpeed's Adam, AdamW, 1-bit
+Adam and 0/1 Adam, their params, and the union zcore.config.schema.Config takes.
+
+The optimizers themselves are built from these in zcore.step.optimizers; 1-bit
+Adam and 0/1 Adam run at ZeRO stage 0 only, which is checked there.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator
+
+from zcore.config.keys import show_value
+from zcore.config.section import Section
+
+
+class _AdamHyperParams(Section):
+    """The hyper-parameters every optimizer type takes."""
+
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_json(cls, v: Any) -> Any:
+        # JSON has no tuples: a list of two is the same value.
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas must both lie in [0, 1), got {v}")
+        return v
+
+
+class AdamParams(_AdamHyperParams):
+    # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
+    # torch.optim.Adam's L2 penalty.
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    amsgrad: Literal[False] = False
+
+
+class _CompressedAdamParams(_AdamHyperParams):
+    """What DeepSpeed's 1-bit Adam and 0/1 Adam both take (zcore.optim.compressed_adam)."""
+
+    # DeepSpeed takes these three and never applies them: no bias correction
+    # whatever bias_correction says, eps outside the square root, no clipping
+    # by max_grad_norm. zcore does the same, and refuses a value that asks
+    # for what neither does.
+    bias_correction: bool = True
+    eps_inside_sqrt: bool = False
+    max_grad_norm: float = 0.0
+    amsgrad: Literal[False] = False
+    # Whether DeepSpeed's MPI implementation may hand MPI GPU memory.
+    cuda_aware: bool = False
+    # DeepSpeed's implementation of the compressed all-reduce. zcore's sends
+    # the same messages through torch.distributed whatever the process
+    # group's backend: "nccl" (the default), "gloo" and "compressed" (DeepSpeed's
+    # backend-agnostic one) all choose it.
+    comm_backend_name: str = "nccl"
+
+    @field_validator("eps_inside_sqrt")
+    @classmethod
+    def _eps_outside(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "DeepSpeed's 1-bit Adam and 0/1 Adam take eps_inside_sqrt but always add eps outside the "
+                "square root, as zcore does; remove the key or set it to false"
+            )
+        return v
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _no_clipping_here(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError(
+                "DeepSpeed's 1-bit Adam and 0/1 Adam keep max_grad_norm but never clip with it; clip with "
+                "the top-level key gradient_clipping, and remove this one (or set it to 0)"
+            )
+        return v
+
+    @field_validator("cuda_aware")
+    @classmethod
+    def _no_mpi(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "cuda_aware tells DeepSpeed's MPI implementation that MPI reads GPU memory; zcore has no MPI "
+                "implementation (comm_backend_name 'nccl' or 'gloo' go through torch.distributed): remove "
+                "the key or set it to false"
+            )
+        return v
+
+    @field_validator("comm_backend_name")
+    @classmethod
+    def _torch_distributed(cls, v: str) -> str:
+        refused = {
+            "mpi": "DeepSpeed's MPI implementation (mpi4py), which zcore does not have",
+            "hccl": "DeepSpeed's implementation for Huawei Ascend devices, which zcore does not run on",
+        }
+        if v in refused:
+            raise ValueError(
+                f"comm_backend_name {show_value(v)} selects {refused[v]}; zcore sends the same 1-bit messages "
+                "through torch.distributed: use 'nccl' (or 'gloo' on CPU)"
+            )
+        if v not in ("nccl", "gloo", "compressed"):
+            raise ValueError(f"comm_backend_name must be 'nccl', 'gloo' or 'compressed', got {show_value(v)}")
+        return v
+
+
+class OneBitAdamParams(_CompressedAdamParams):
+    # Exact Adam steps before compression (warm-up). DeepSpeed's first step
+    # only sets up buffers, so it always takes at least one exact step: zcore
+    # asks for one.
+    freeze_step: int = Field(100_000, ge=1)
+
+
+class ZeroOneAdamParams(_CompressedAdamParams):
+    # The last variance update comes at step var_freeze_step + 1 at the latest.
+    var_freeze_step: int = Field(100_000, ge=0)
+    # Variance updates per interval before the interval doubles (the paper's kappa).
+    var_update_scaler: int = Field(16, ge=1)
+    # Local steps per synchronisation interval before the interval doubles.
+    local_step_scaler: int = Field(32678, ge=1)
+    # The longest synchronisation interval, in steps (the paper's H).
+    local_step_clipper: int = Field(16, ge=1)
+
+
+# DeepSpeed reads optimizer types in any case.
+_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+
+
+def _canonical_type(v: Any) -> Any:
+    return _OPTIMIZER_TYPES.get(v.lower(), v) if isinstance(v, str) else v
+
+
+class AdamOptimizerConfig(Section):
+    type: str
+    params: AdamParams = AdamParams()
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        canonical = _canonical_type(v)
+        if canonical not in ("Adam", "AdamW"):
+            raise ValueError(
+                f"optimizer type {show_value(v)} is not supported; use 'Adam', 'AdamW', 'OneBitAdam' or "
+                "'ZeroOneAdam', or pass a torch optimizer (or a callable building one) to "
+                "zcore.initialize(optimizer=...)"
+            )
+        return canonical
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type == "AdamW" or self.params.adam_w_mode
+
+
+class OneBitAdamConfig(Section):
+    type: Literal["OneBitAdam"]
+    params: OneBitAdamParams = OneBitAdamParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical(cls, v: Any) -> Any:
+        return _canonical_type(v)
+
+
+class ZeroOneAdamConfig(Section):
+    type: Literal["ZeroOneAdam"]
+    params: ZeroOneAdamParams = ZeroOneAdamParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical(cls, v: Any) -> Any:
+        return _canonical_type(v)
+
+
+def _optimizer_branch(raw: Any) -> str:
+    tag = _canonical_type(raw.get("type") if isinstance(raw, dict) else getattr(raw, "type", None))
+    # Adam, AdamW and whatever zcore lacks go to the Adam section, whose
+    # check names the types there are. Its tag is its class name, which is
+    # what zcore.config.schema's _describe takes a type-less branch's name in an
+    # error to be.
+    return tag if tag in ("OneBitAdam", "ZeroOneAdam") else AdamOptimizerConfig.__name__
+
+
+# The params' keys depend on the type.
+OptimizerConfig = Annotated[
+    Union[
+        Annotated[AdamOptimizerConfig, Tag(AdamOptimizerConfig.__name__)],
+        Annotated[OneBitAdamConfig, Tag("OneBitAdam")],
+        Annotated[ZeroOneAdamConfig, Tag("ZeroOneAdam")],
+    ],
+    Discriminator(_optimizer_branch),
+]

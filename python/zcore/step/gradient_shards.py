@@ -1,0 +1,154 @@
+"""Where each rank's fp32 gradient shards accumulate between optimizer steps.
+
+- ``ResidentGradients``: one fp32 tensor per unit on the compute device.
+- ``SwappedGradients``: with the optimizer states on NVMe (stages 2 and 3),
+  the gradients go there too, as the issue's "gradient shards go where the
+  optimizer runs" asks: a unit's shard is one key of this rank's gradient
+  swap file. The first contribution of an accumulation window is written
+  as it is; later ones read, add and write back. At the window's last
+  micro-step, the final values' sum of squares is kept per unit, so that
+  clipping and the overflow check need no extra pass over the disk. Host
+  memory: the writes in flight (bounded) and the unit being read.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+import torch
+
+from zcore.memory.staging import page_placed
+from zcore.step.units import Unit
+from zcore.memory.swap import SwapManager
+
+
+def squared_norm_of(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of every shard, as a float64 scalar on their device."""
+    device = shards[0].device if shards else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for shard in shards:
+        squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double() ** 2
+    return squares
+
+
+class ResidentGradients:
+    def __init__(self, units: list[Unit]) -> None:
+        self.shards = [torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for u in units]
+
+    def add(self, unit: int, values: torch.Tensor, alpha: float, final: bool) -> None:
+        self.shards[unit].add_(values.to(torch.float32), alpha=alpha)
+
+    def put(self, unit: int, values: torch.Tensor) -> None:
+        """The unit's final values of the window."""
+        self.shards[unit].copy_(values)
+
+    def get(self, unit: int) -> torch.Tensor:
+        return self.shards[unit]
+
+    def squared_norm(self) -> torch.Tensor:
+        return squared_norm_of(self.shards)
+
+    def zero(self) -> None:
+        for s in self.shards:
+            s.zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What is held in memory between steps."""
+        return list(self.shards)
+
+    def close(self) -> None:
+        return None
+
+
+class SwappedGradients:
+    def __init__(self, units: list[Unit], swap: SwapManager, pending_limit: int) -> None:
+        """``pending_limit``: bytes of writes in flight before the oldest is waited for."""
+        self.units = units
+        self.swap = swap
+        self._limit = pending_limit
+        self._written: set[int] = set()  # units with values on disk this window
+        self._writing: OrderedDict[int, torch.Tensor] = OrderedDict()  # unit -> values being written
+        self._squares: dict[int, float] = {}  # unit -> sum of squares of its final values
+
+    def add(self, unit: int, values: torch.Tensor, alpha: float, final: bool) -> None:
+        """Adds ``alpha * values`` to the unit's shard; ``final``: the last
+        contribution of the window."""
+        if unit in self._written:
+            total = self._read(unit)
+            total.add_(values.to(device="cpu", dtype=torch.float32), alpha=alpha)
+        else:
+            total = values.to(device="cpu", dtype=torch.float32, copy=True).mul_(alpha)
+        if final:
+            self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
+        self._write(unit, total)
+
+    def put(self, unit: int, values: torch.Tensor) -> None:
+        """The unit's final values of the window (fp32, kept until written)."""
+        total = values.to(device="cpu", dtype=torch.float32)
+        self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
+        self._write(unit, total)
+
+    def get(self, unit: int) -> torch.Tensor:
+        """The unit's shard (zeros when it got no gradient this window), on the host."""
+        if unit not in self._written:
+            return torch.zeros(self.units[unit].shard_numel, dtype=torch.float32)
+        return self._read(unit)
+
+    def squared_norm(self) -> torch.Tensor:
+        return torch.tensor(sum(self._squares.values()), dtype=torch.float64)
+
+    def zero(self) -> None:
+        try:
+            self._finish_writes()
+        finally:  # a failed write's values are gone either way
+            self._written.clear()
+            self._squares.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []  # on NVMe between steps
+
+    def nvme_bytes(self) -> int:
+        return self.swap.stats().used
+
+    def close(self) -> None:
+        self.swap.close()
+
+    def _read(self, unit: int) -> torch.Tensor:
+        writing = self._writing.pop(unit, None)
+        if writing is not None:
+            self.swap.wait(unit)
+            return writing
+        # Not a pool buffer: the optimizer keeps the shards of a sub-group's
+        # units at once, which a pool sized for one unit cannot hold.
+        values = page_placed(self.units[unit].shard_numel * 4).view(torch.float32)
+        self.swap.swap_in(unit, values)
+        self.swap.wait(unit)
+        return values
+
+    def _write(self, unit: int, values: torch.Tensor) -> None:
+        self.swap.swap_out(unit, values)
+        self._writing[unit] = values
+        self._written.add(unit)
+        while sum(t.numel() * 4 for t in self._writing.values()) > self._limit and len(self._writing) > 1:
+            oldest, _ = self._writing.popitem(last=False)
+            self.swap.wait(oldest)
+
+    def _finish_writes(self) -> None:
+        """Waits for every write in flight (their buffers stay alive until
+        then), raising the first failure once all are done."""
+        failure: BaseException | None = None
+        while self._writing:
+            unit, _ = self._writing.popitem(last=False)
+            try:
+                self.swap.wait(unit)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+
+GradientShards = ResidentGradients | SwappedGradients
+
+
+def swap_capacity(units: list[Unit], alignment: int) -> int:
+    return sum(-(-u.shard_numel * 4 // alignment) * alignment for u in units)
+

@@ -1,0 +1,224 @@
+"""Which parameters are trained, in which groups, and the optimizer over them.
+
+The user's parameter groups (from a torch optimizer, ``model_parameters`` or
+the whole model) decide the hyper-parameters; zcore builds or re-points the
+optimizer at the pieces of its fp32 master shards, group by group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from zcore.config.schema import Config
+from zcore.errors import ConfigError
+from zcore.optim import CompressedAdam, CPUAdam, OneBitAdam, ZeroOneAdam
+from zcore.config.optimizer import OneBitAdamConfig, ZeroOneAdamConfig
+from zcore.config.policies import OffloadPolicy, Tier
+
+# Optimizers whose update is element-wise, so that running them on any slice
+# of a parameter gives that slice of the full update.
+_ELEMENTWISE = (
+    CPUAdam,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+
+
+@dataclass(frozen=True)
+class ParamGroups:
+    groups: list[dict]  # the user's groups: "params" (model parameters) + hyper-parameters
+    trainable: list[torch.nn.Parameter]  # every trained parameter once, in group order
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s state comes from steps: some optimizers
+    (Adagrad) create their state at construction, with step 0."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False
+
+
+def collect_param_groups(
+    model: torch.nn.Module,
+    optimizer: Union[None, torch.optim.Optimizer, Callable],
+    model_parameters: Optional[Iterable],
+) -> ParamGroups:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if _has_stepped(optimizer):
+            raise ValueError(
+                "the optimizer passed to zcore.initialize already has state (it has stepped); "
+                "pass a freshly constructed optimizer"
+            )
+        raw: list[Any] = list(optimizer.param_groups)
+    elif model_parameters is not None:
+        raw = list(model_parameters)
+    else:
+        raw = [{"params": list(model.parameters())}]
+    if raw and not isinstance(raw[0], dict):
+        raw = [{"params": raw}]
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups, trainable, seen = [], [], set()
+    for group in raw:
+        params = [p for p in group["params"] if p.requires_grad]
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(
+                    f"a parameter of shape={tuple(p.shape)} in the optimizer's groups is not a "
+                    "parameter of the model; give zcore.initialize the model that owns it"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"parameter {names[id(p)]!r} appears in more than one parameter group; "
+                    "put it in one"
+                )
+            seen.add(id(p))
+            trainable.append(p)
+        groups.append({**group, "params": params})
+
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} require grad but are in "
+            "no optimizer group; add them to the optimizer or set requires_grad=False"
+        )
+    dtypes = {p.dtype for p in trainable}
+    if len(dtypes) > 1 or any(not p.is_floating_point() for p in trainable):
+        raise ValueError(
+            f"trainable parameters must share one floating-point dtype, found {sorted(map(str, dtypes))}; "
+            "build the model in fp32 and let bf16/fp16 in the config choose the compute dtype"
+        )
+    if not trainable:
+        raise ValueError("the model has no parameter that requires grad: nothing to train")
+    return ParamGroups(groups=groups, trainable=trainable)
+
+
+def build_optimizer(
+    optimizer: Union[None, torch.optim.Optimizer, Callable],
+    cfg: Config,
+    offload: OffloadPolicy,
+    groups: ParamGroups,
+    pieces: dict[int, list[torch.nn.Parameter]],
+) -> torch.optim.Optimizer:
+    """The optimizer over master pieces, with the user's group hyper-parameters."""
+    piece_groups = [
+        {**g, "params": [piece for p in g["params"] for piece in pieces.get(id(p), [])]}
+        for g in groups.groups
+    ]
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(
+            "an optimizer is both configured (config key 'optimizer') and passed to "
+            "zcore.initialize(optimizer=...); keep one"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _check_compressed(optimizer, cfg, offload)
+        _check_elementwise(optimizer, cfg)
+        _check_swappable(optimizer, offload)
+        # Re-point the user's optimizer (so schedulers built on it keep working).
+        for group, new in zip(optimizer.param_groups, piece_groups):
+            group["params"] = new["params"]
+        return optimizer
+    if optimizer is not None:
+        built = optimizer(piece_groups)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
+            )
+        _check_compressed(built, cfg, offload)
+        _check_elementwise(built, cfg)
+        _check_swappable(built, offload)
+        return built
+    if cfg.optimizer is None:
+        raise ConfigError(
+            "no optimizer: add an 'optimizer' section to the config (type Adam or AdamW) or pass "
+            "zcore.initialize(optimizer=...)"
+        )
+    if isinstance(cfg.optimizer, (OneBitAdamConfig, ZeroOneAdamConfig)):
+        compressed = _compressed_adam(cfg.optimizer, piece_groups)
+        _check_compressed(compressed, cfg, offload)
+        return compressed
+    p = cfg.optimizer.params
+    decoupled = cfg.optimizer.decoupled_weight_decay
+    if offload.optimizer is Tier.NVME and p.torch_adam:
+        raise ConfigError(
+            "optimizer.params.torch_adam = true cannot step optimizer states on NVMe, which "
+            "zcore's fused CPU Adam streams from disk; remove torch_adam or set "
+            "zero_optimization.offload_optimizer.device to 'cpu' or 'none'"
+        )
+    if offload.optimizer is not Tier.DEVICE and not p.torch_adam:
+        # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
+        return CPUAdam(
+            piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+            decoupled_weight_decay=decoupled,
+        )
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+
+
+def _compressed_adam(
+    config: Union[OneBitAdamConfig, ZeroOneAdamConfig], piece_groups: list[dict]
+) -> CompressedAdam:
+    """The configured 1-bit Adam or 0/1 Adam; the keys DeepSpeed takes and
+    never applies were checked by the config and change nothing here."""
+    p = config.params
+    adam = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay}
+    if isinstance(config, OneBitAdamConfig):
+        return OneBitAdam(piece_groups, freeze_step=p.freeze_step, **adam)
+    return ZeroOneAdam(
+        piece_groups, var_freeze_step=p.var_freeze_step, var_update_scaler=p.var_update_scaler,
+        local_step_scaler=p.local_step_scaler, local_step_clipper=p.local_step_clipper, **adam,
+    )
+
+
+def _check_compressed(optimizer: torch.optim.Optimizer, cfg: Config, offload: OffloadPolicy) -> None:
+    """1-bit Adam and 0/1 Adam take the place of stage 0's gradient
+    all-reduce on their compressed steps: they need every rank to hold whole
+    gradients and to step on the device (DeepSpeed allows them without ZeRO only)."""
+    if not isinstance(optimizer, CompressedAdam):
+        return
+    name = type(optimizer).__name__
+    stage = cfg.zero_optimization.stage
+    if stage != 0:
+        raise ConfigError(
+            f"{name} averages each rank's whole gradients or momentum itself, in 1-bit messages, in "
+            f"place of ZeRO stage 0's all-reduce; zero_optimization.stage is {stage}, which reduce-scatters "
+            "gradients into shards (DeepSpeed refuses ZeRO with it too): set zero_optimization.stage to 0"
+        )
+    if offload.optimizer is not Tier.DEVICE:
+        raise ConfigError(
+            f"{name} steps where its compressed all-reduce runs, on the device, but "
+            f"zero_optimization.offload_optimizer.device is {offload.optimizer.value!r} (DeepSpeed offloads "
+            "only under ZeRO, which it refuses with this optimizer): set offload_optimizer.device to 'none'"
+        )
+
+
+def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
+    if offload.optimizer is Tier.NVME and not isinstance(optimizer, CPUAdam):
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device = 'nvme' steps the states on disk with "
+            f"zcore's fused CPU Adam, not {type(optimizer).__name__}: pass zcore.optim.CPUAdam or "
+            "CPUAdamW (or configure an 'optimizer' section of type Adam or AdamW)"
+        )
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
+    stage = cfg.zero_optimization.stage
+    if stage == 0 or isinstance(optimizer, _ELEMENTWISE) or cfg.zero_allow_untested_optimizer:
+        return
+    raise ConfigError(
+        f"{type(optimizer).__name__} is not known to update element-wise, and ZeRO stage {stage} "
+        "runs it on slices of parameters; if its update is element-wise, set "
+        "'zero_allow_untested_optimizer': true in the config"
+    )
