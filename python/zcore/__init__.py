@@ -82,3 +82,10 @@ __all__ = [
     "register_external_parameter",
     "save_pretrained",
 ]
+
+# Public objects name the path users import them from (as torch's FSDP2
+# does); where they are defined is the package's own business. The errors
+# keep zcore.errors, itself public.
+for _name in __all__:
+    if globals()[_name].__module__ != "zcore.errors":
+        globals()[_name].__module__ = __name__

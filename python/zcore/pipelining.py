@@ -4,3 +4,5 @@ zcore.parallel.pipelining)."""
 from zcore.parallel.pipelining import PipelineStage
 
 __all__ = ["PipelineStage"]
+
+PipelineStage.__module__ = __name__

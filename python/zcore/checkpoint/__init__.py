@@ -7,3 +7,6 @@ from zcore.checkpoint.load import load_checkpoint
 from zcore.checkpoint.save import save_checkpoint
 
 __all__ = ["consolidate", "full_state_dict", "load_checkpoint", "save_checkpoint"]
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__

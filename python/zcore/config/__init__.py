@@ -4,3 +4,5 @@
 from zcore.config.schema import Config, load_config
 
 __all__ = ["Config", "load_config"]
+
+load_config.__module__ = __name__

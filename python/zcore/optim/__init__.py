@@ -44,3 +44,6 @@ __all__ = [
     "supported_cpu_isas",
     "unscale_and_check",
 ]
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__
