@@ -116,7 +116,7 @@ def step_records(rank: int, world: int) -> dict:
         schedule.step(x[:rows_here])
     else:
         schedule.step(target=y[:rows_here], losses=micro)
-    record = engine.metrics.last
+    record = engine.observation.metrics.last
     engine.destroy()
     return {
         "stage": stage,

@@ -256,7 +256,7 @@ def test_off_measures_nothing(tmp_path):
     out = engine(torch.randn(2, D))
     engine.backward(out.square().mean())
     engine.step()
-    assert engine.metrics is None and engine.last_step_metrics is None and engine.monitors == []
+    assert engine.observation.metrics is None and engine.last_step_metrics is None and engine.observation.monitors == []
     assert seen == [None]  # no saved-tensor hooks of zcore's at stages 0-2 without metrics
     assert engine.optimizer.measures_norm is False
     engine.destroy()

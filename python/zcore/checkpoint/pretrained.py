@@ -66,7 +66,7 @@ def save_pretrained(
     The files are written aside and take their names only once every rank
     has done its part, so a save that fails (a full disk, a rank's NVMe
     error) leaves the directory's earlier weights as they were."""
-    engine._refuse_if_broken()
+    engine.lifetime.check_usable()
     refuse_model_parallel(engine, "zcore.save_pretrained")
     engine._finish_step()
     shard_bytes = size_in_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
@@ -160,7 +160,7 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
     call it on every rank. Returns (missing, unexpected) tensor names, as
     ``load_state_dict`` does; with ``strict`` either is an error, and
     without it a tensor missing from the files keeps its current values."""
-    engine._refuse_if_broken()
+    engine.lifetime.check_usable()
     refuse_model_parallel(engine, "zcore.load_pretrained")
     engine._finish_step()
     layout = engine_layout(engine)

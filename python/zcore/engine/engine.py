@@ -10,100 +10,32 @@ from __future__ import annotations
 
 import enum
 import logging
-import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from zcore import checkpoint
 from zcore.comm.collectives import DistributedContext
-from zcore.config.schema import Config
-from zcore.errors import DiskIOError, InvalidStateError
-from zcore.observe.flops_profiler import FlopsProfiler, FlopsReport, ProfilerState
-from zcore.step.grad_reduction import GradientReducer
-from zcore.step.units import FlatUnit
-from zcore.observe.memory_report import MemoryReport, measure_memory
-from zcore.parallel.mesh import DataParallelRanks
-from zcore.observe.monitors import close_all, open_monitors
 from zcore.config.policies import Policies
-from zcore.step.sharded_optimizer import Publisher, ShardedOptimizer, StepResult
-from zcore.observe.step_metrics import Phase, StepMetrics, StepRecord
+from zcore.config.schema import Config
+from zcore.engine.frozen import FrozenParameters
+from zcore.engine.lifetime import Lifetime
+from zcore.engine.observation import StepFigures, StepObservation
+from zcore.engine.residency import ParamResidency
+from zcore.errors import DiskIOError, InvalidStateError
+from zcore.observe.flops_profiler import FlopsReport
+from zcore.observe.memory_report import MemoryReport, measure_memory
+from zcore.observe.step_metrics import Phase, StepRecord
+from zcore.parallel.mesh import DataParallelRanks
+from zcore.step.grad_reduction import GradientReducer
+from zcore.step.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("zcore")
-# wall_clock_breakdown's lines: printed even where the application set up no logging.
-step_log = logging.getLogger("zcore.steps")
 T = TypeVar("T")
-
-
-class ParamResidency(Protocol):
-    """Where parameters live between uses: ``ResidentParams`` (stages 0-2)
-    or zcore.zero3.param_fetcher.ParamFetcher (stage 3, gathered on demand)."""
-
-    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any: ...
-
-    def after_backward(self) -> None:
-        """After the backward that may end a step."""
-
-    def before_update(self) -> None:
-        """Before the optimizer updates the parameters."""
-
-    def abort(self) -> None:
-        """After an exception in forward or backward."""
-
-    def abort_after(self, exc: BaseException) -> None:
-        """``abort``, whose own failure is noted on ``exc`` rather than raised."""
-
-    def stats(self) -> Any: ...
-
-    def stored_tensors(self) -> list[torch.Tensor]:
-        """What holds parameters between uses (the memory report's parameter
-        bytes in stages 0-2; in stage 3 it asks the fetcher, tier by tier)."""
-
-    def reload(self) -> None:
-        """After a checkpoint load replaced the shards: parameters take them."""
-
-    def close(self) -> None:
-        """Releases what parameters rest in outside memory (swap files)."""
-
-
-class ResidentParams:
-    """Stages 0-2: every rank holds whole parameters; nothing to do between uses."""
-
-    def __init__(self, units: list[FlatUnit], publisher: Publisher) -> None:
-        self.units = units
-        self._publisher = publisher
-
-    def reload(self) -> None:
-        self._publisher.publish()
-
-    def stored_tensors(self) -> list[torch.Tensor]:
-        return [u.flat for u in self.units]
-
-    def close(self) -> None:
-        return None
-
-    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        return module(*args, **kwargs)
-
-    def after_backward(self) -> None:
-        return None
-
-    def before_update(self) -> None:
-        return None
-
-    def abort(self) -> None:
-        return None
-
-    def abort_after(self, exc: BaseException) -> None:
-        return None
-
-    def stats(self) -> None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -120,30 +52,47 @@ class MicroStep(enum.Enum):
     AWAITING_STEP = "awaiting step"  # this micro-batch's gradients are in
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What ``zcore.initialize`` assembles for an engine beside its module,
+    optimizer and scheduler."""
+
+    policies: Policies
+    context: DistributedContext
+    batch: BatchSizes
+    residency: ParamResidency
+    observation: StepObservation
+    hook_handles: list
+    ranks: DataParallelRanks
+
+
 class Engine:
+    """What ``zcore.initialize`` returns. It delegates to parts with one job
+    each: ``residency`` (where parameters live between uses), ``optimizer``
+    (the sharded step), ``observation`` (metrics, monitors, profiler, step
+    log) and ``lifetime`` (whether it can still be used); it keeps the step
+    counters and the order of forward, backward and step."""
+
     def __init__(
         self,
         module: torch.nn.Module,
         optimizer: Optional[ShardedOptimizer],
         lr_scheduler: Any,
         config: Config,
-        policies: Policies,
-        context: DistributedContext,
-        batch: BatchSizes,
-        residency: ParamResidency,
-        hook_handles: list,
-        ranks: DataParallelRanks,
+        parts: EngineParts,
     ) -> None:
         self.module = module
-        self.ranks = ranks
-        self.policies = policies
-        self.residency = residency
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.config = config
-        self.context = context
-        self.batch = batch
-        self._hook_handles = hook_handles
+        self.config = config  # as DeepSpeed's engine.config: what it was built from, recorded in checkpoints
+        self.ranks = parts.ranks
+        self.policies = parts.policies
+        self.residency = parts.residency
+        self.context = parts.context
+        self.batch = parts.batch
+        self.observation = parts.observation
+        self.lifetime = Lifetime()
+        self._hook_handles = parts.hook_handles
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -152,33 +101,9 @@ class Engine:
         self.last_grad_norm: Optional[float] = None
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's, over the count
-        # An optimizer step that failed part-way (a disk full during a
-        # swap-out, say) left some shards updated and others not.
-        self._broken: Optional[str] = None
-        self._destroyed = False  # destroy() ran: swap files and buffers are gone
-        # Frozen at initialize: zcore never trains them, so a gradient they
-        # get (requires_grad set since) is reported once, not ignored silently.
-        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        self._unfrozen_reported = False
-        # DeepSpeed's flops profiler, at one step (zcore.observe.flops_profiler).
-        self.flops_profiler: Optional[FlopsProfiler] = None
-        self.flops_report: Optional[FlopsReport] = None
-        if config.flops_profiler.enabled:
-            self.flops_profiler = FlopsProfiler(module, config.flops_profiler, context.rank, context.world_size)
-        # Per-step metrics (zcore.observe.step_metrics), only when a monitor or
-        # wall_clock_breakdown asks for them.
-        self.metrics: Optional[StepMetrics] = None
-        self.monitors: list = []
-        if config.records_step_metrics:
-            self.metrics = StepMetrics(module, context.world_size, ranks.data_parallel.size)
-            self.monitors = open_monitors(config, context.rank)
-            if optimizer is not None:
-                optimizer.measures_norm = True
-            if config.wall_clock_breakdown and not step_log.hasHandlers():
-                handler = logging.StreamHandler(sys.stderr)
-                handler.setFormatter(logging.Formatter("[zcore] %(message)s"))
-                step_log.addHandler(handler)
-                step_log.setLevel(logging.INFO)
+        self._frozen = FrozenParameters(module)
+        if optimizer is not None and self.observation.records_steps:
+            optimizer.measures_norm = True
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names the engine lacks: as DeepSpeed's engine does,
@@ -197,17 +122,15 @@ class Engine:
 
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_if_broken()
-        profiler = self.flops_profiler
-        if profiler is not None and profiler.state is ProfilerState.WAITING and profiler.profiles(self.global_steps):
-            profiler.start()
-        if self.metrics is not None:
-            self.metrics.forward_inputs(args, kwargs)
+        self.lifetime.check_usable()
+        self.observation.before_forward(self.global_steps, args, kwargs)
         try:
-            with self._phase(Phase.FORWARD):
+            with self.observation.phase(Phase.FORWARD):
                 out = self.residency.forward(self.module, args, kwargs)
         except DiskIOError as exc:
-            self._broken = f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+            self.lifetime.break_because(
+                f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+            )
             raise
         if self.optimizer is not None and self.optimizer.step_failed:
             self._finish_step()  # raises the failure of the step behind this forward
@@ -245,31 +168,30 @@ class Engine:
                 f"engine.backward expects a scalar loss tensor, got "
                 f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
             )
-        self._refuse_if_broken()
+        self.lifetime.check_usable()
         optimizer = self._trainer("backward")
-        if self.metrics is not None:
-            self.metrics.loss(loss)
+        self.observation.loss(loss)
         factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
-        with self._phase(Phase.BACKWARD):
+        with self.observation.phase(Phase.BACKWARD):
             self._backward(optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward())
         self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
     def pipeline_backward(self, run: Callable[[float], T], boundary: bool, loss: Optional[torch.Tensor]) -> T:
         """One micro-batch's backward as a pipeline schedule runs it
-        (zcore.parallel.pipelining): ``run(factor)`` back-propagates with the loss
+        (zcore.pipelining): ``run(factor)`` back-propagates with the loss
         scaled by ``factor`` (the loss scale over the accumulation steps);
         ``boundary``: whether it ends the accumulation window (the schedule
         decides, as set_gradient_accumulation_boundary does); ``loss``: the
         micro-batch's loss on the last stage, for the step's record. Call
         ``step()`` after it, as after ``backward``."""
-        self._refuse_if_broken()
+        self.lifetime.check_usable()
         optimizer = self._trainer("backward")
-        if self.metrics is not None and loss is not None:
-            self.metrics.loss(loss)
+        if loss is not None:
+            self.observation.loss(loss)
         factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
         self.set_gradient_accumulation_boundary(boundary)
-        with self._phase(Phase.BACKWARD):
+        with self.observation.phase(Phase.BACKWARD):
             # The window's forwards and backwards interleave (1F1B, GPipe):
             # ZeRO-3's step spans them all, so it ends with the last backward.
             result = self._backward(optimizer, lambda: run(factor), end_step=boundary)
@@ -304,11 +226,12 @@ class Engine:
             exc.add_note(f"dropping the window's gradients then failed too: {type(failed).__name__}: {failed}")
             cause = cause or failed
         if cause is not None:
-            self._broken = f"the backward after step {self.global_steps} failed ({type(cause).__name__}: {cause})"
+            self.lifetime.break_because(
+                f"the backward after step {self.global_steps} failed ({type(cause).__name__}: {cause})"
+            )
             return
         dropped = self.accumulated_micro_steps
-        if self.metrics is not None:
-            self.metrics.drop_losses()
+        self.observation.drop_window()
         self.micro_steps -= dropped
         self.accumulated_micro_steps = 0
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
@@ -322,7 +245,7 @@ class Engine:
         """Steps the optimizer at an accumulation boundary; counts the
         micro-step. ``lr_kwargs``: as DeepSpeed's, passed to the scheduler's
         step (ReduceLROnPlateau's ``metrics``)."""
-        self._refuse_if_broken()
+        self.lifetime.check_usable()
         optimizer = self._trainer("step")
         if self.micro_step_phase is not MicroStep.AWAITING_STEP:
             raise InvalidStateError(
@@ -332,75 +255,45 @@ class Engine:
             )
         stepped = self.is_gradient_accumulation_boundary()
         if stepped:
-            self._report_unfrozen()
-            groups = optimizer.param_groups
-            lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it
-            profiling = self.flops_profiler is not None and self.flops_profiler.state is ProfilerState.PROFILING
-            started = time.perf_counter()
-            with self._phase(Phase.STEP):
-                self._finish_step()
-                self.residency.before_update()
-                try:
-                    result = optimizer.step()
-                except BaseException as exc:
-                    self._broken = (
-                        f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
-                    )
-                    raise
-                if profiling:
-                    self._finish_step()  # the profiled step's latency is all of it, not its launch
-            step_seconds = time.perf_counter() - started
-            self.last_grad_norm = result.grad_norm
-            if result.skipped:
-                self.skipped_steps += 1
-                log.info(
-                    "step %d skipped: gradient overflow; loss scale now %g",
-                    self.global_steps,
-                    optimizer.loss_scale,
-                )
-            self.global_steps += 1
-            self.global_samples += self.batch.train_batch_size
-            self.accumulated_micro_steps = 0
-            if self.metrics is not None:
-                self._record_step(optimizer, result, lr)
-            if profiling:
-                assert self.flops_profiler is not None
-                self.flops_report = self.flops_profiler.stop(step_seconds=step_seconds)
-            if self.context.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-                log.info(
-                    "step %d: lr %s, loss scale %g, skipped %d",
-                    self.global_steps,
-                    self.get_lr(),
-                    optimizer.loss_scale,
-                    self.skipped_steps,
-                )
+            skipped = self._optimizer_step(optimizer)
         else:
             self.accumulated_micro_steps += 1
         self.micro_steps += 1
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
         # Last: a scheduler that raises (ReduceLROnPlateau without its
         # metrics) finds the step taken and counted, not half done.
-        if stepped and not result.skipped and self.lr_scheduler is not None:
+        if stepped and not skipped and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
-    def _report_unfrozen(self) -> None:
-        if self._unfrozen_reported:
-            return
-        unfrozen = [n for n, p in self._frozen if p.grad is not None]
-        if unfrozen:
-            self._unfrozen_reported = True
-            log.warning(
-                "parameters frozen at zcore.initialize got gradients and are not trained: %s. zcore trains "
-                "the parameters that require grad at initialize; set requires_grad before it to train these",
-                ", ".join(unfrozen[:8]) + (" ..." if len(unfrozen) > 8 else ""),
-            )
-
-    def _phase(self, phase: Phase) -> Any:
-        return self.metrics.phase(phase) if self.metrics is not None else nullcontext()
-
-    def _record_step(self, optimizer: ShardedOptimizer, result: StepResult, lr: Optional[float]) -> None:
-        assert self.metrics is not None
-        record = self.metrics.end_step(
+    def _optimizer_step(self, optimizer: ShardedOptimizer) -> bool:
+        """The optimizer step that ends an accumulation window, counted and
+        recorded; whether it was skipped (fp16 overflow)."""
+        self._frozen.report_gradients()
+        groups = optimizer.param_groups
+        lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it
+        profiled = self.observation.profiling
+        started = time.perf_counter()
+        with self.observation.phase(Phase.STEP):
+            self._finish_step()
+            self.residency.before_update()
+            try:
+                result = optimizer.step()
+            except BaseException as exc:
+                self.lifetime.break_because(
+                    f"the optimizer step after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+                )
+                raise
+            if profiled:
+                self._finish_step()  # the profiled step's latency is all of it, not its launch
+        seconds = time.perf_counter() - started
+        self.last_grad_norm = result.grad_norm
+        if result.skipped:
+            self.skipped_steps += 1
+            log.info("step %d skipped: gradient overflow; loss scale now %g", self.global_steps, optimizer.loss_scale)
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self.accumulated_micro_steps = 0
+        figures = StepFigures(
             global_step=self.global_steps,
             global_samples=self.global_samples,
             batch_size=self.batch.train_batch_size,
@@ -409,20 +302,20 @@ class Engine:
             loss_scale=optimizer.loss_scale,
             skipped=result.skipped,
             skipped_steps=self.skipped_steps,
-            memory=measure_memory(self.module, optimizer, self.policies, self.residency, self.context.device),
         )
-        events = record.events()
-        for monitor in self.monitors:
-            monitor.write(events)
-        if self.config.wall_clock_breakdown and self.context.rank == 0:
-            if self.global_steps % self.config.steps_per_print == 0:
-                step_log.info("step %d: %s", self.global_steps, record.breakdown())
+        self.observation.end_step(figures, seconds, profiled, memory=self._measure_memory, lrs=self.get_lr)
+        return result.skipped
 
     @property
     def last_step_metrics(self) -> Optional[StepRecord]:
-        """The last optimizer step's figures (zcore.observe.step_metrics), when the
-        config enables a monitor or wall_clock_breakdown; else None."""
-        return None if self.metrics is None else self.metrics.last
+        """The last optimizer step's figures (zcore.observe.step_metrics), when
+        the config enables a monitor or wall_clock_breakdown; else None."""
+        return self.observation.last
+
+    @property
+    def flops_report(self) -> Optional[FlopsReport]:
+        """The flops profiler's report, once its step has run (None before, or without the profiler)."""
+        return self.observation.flops_report
 
     def _trainer(self, doing: str) -> ShardedOptimizer:
         if self.optimizer is None:
@@ -441,28 +334,11 @@ class Engine:
         try:
             self.optimizer.finish_step()
         except BaseException as exc:
-            if self._broken is None:
-                self._broken = (
-                    f"the optimizer step after step {self.global_steps - 1} failed while the next forward "
-                    f"ran ({type(exc).__name__}: {exc})"
-                )
+            self.lifetime.break_because(
+                f"the optimizer step after step {self.global_steps - 1} failed while the next forward "
+                f"ran ({type(exc).__name__}: {exc})"
+            )
             raise
-
-    def _refuse_if_destroyed(self) -> None:
-        if self._destroyed:
-            raise InvalidStateError(
-                "this engine was destroyed: engine.destroy() removed its swap files and released its "
-                "buffers. Build a new engine with zcore.initialize (and load a checkpoint to go on)"
-            )
-
-    def _refuse_if_broken(self) -> None:
-        self._refuse_if_destroyed()
-        if self._broken is not None:
-            raise InvalidStateError(
-                f"this engine cannot continue: {self._broken[:2000]}, so its parameters and optimizer "
-                "states are partly updated. Remove the cause, then load the last checkpoint into a "
-                "new engine"
-            )
 
     def zero_grad(self) -> None:
         """Gradients live in zcore's buffers and are cleared after each step;
@@ -487,10 +363,7 @@ class Engine:
         """The nodes x ranks mesh hpZ, MiCS and qgZ use (the one given to
         zcore.initialize, or built from LOCAL_WORLD_SIZE), or the "dp" x "tp"
         mesh given (zcore.parallel.mesh); None where no feature needed one."""
-        if self.ranks.model_parallel is not None:
-            return self.ranks.model_parallel.mesh
-        topology = self.ranks.topology
-        return topology.mesh if topology is not None else None
+        return self.ranks.device_mesh
 
     def train_batch_size(self) -> int:
         return self.batch.train_batch_size
@@ -510,11 +383,11 @@ class Engine:
         """Waits for pending writes and removes this rank's swap files
         (parameters and optimizer states on NVMe are then gone); the engine
         cannot train after it. Also done when the process exits."""
-        if self._destroyed:
-            return
-        self._destroyed = True
+        self.lifetime.destroy(self._close)
+
+    def _close(self, was_live: bool) -> None:
         try:
-            if self._broken is None:  # else its failure was raised already
+            if was_live:  # else its failure was raised already
                 self._finish_step()
         finally:
             try:
@@ -524,10 +397,7 @@ class Engine:
                     if self.optimizer is not None:
                         self.optimizer.close()
                 finally:
-                    if self.flops_profiler is not None:
-                        self.flops_profiler.close()
-                    close_all(self.monitors)
-                    self.monitors = []
+                    self.observation.close()
 
     # Checkpoints (zcore.checkpoint).
     def save_checkpoint(
@@ -537,7 +407,7 @@ class Engine:
         states (safetensors) beside JSON metadata; ``tag`` defaults to
         ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
         every rank, at an accumulation boundary. Returns the tag directory."""
-        self._refuse_if_broken()
+        self.lifetime.check_usable()
         self._trainer("save_checkpoint")
         self._finish_step()
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
@@ -553,16 +423,16 @@ class Engine:
         """Loads a checkpoint saved at any world size, stage or offload
         setting (the tag in ``load_dir/latest`` by default). Returns (tag
         directory, client_state), or (None, None) when there is no latest."""
-        self._refuse_if_destroyed()
+        self.lifetime.check_not_destroyed()
         try:
             self._finish_step()
-        except Exception:  # noqa: BLE001 - the engine is broken (self._broken) until a full load below
+        except Exception:  # noqa: BLE001 - the engine is broken (self.lifetime) until a full load below
             pass
         loaded = checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
-            self._broken = None  # every state was replaced
+            self.lifetime.recover()  # every state was replaced
             if self.optimizer is not None:
                 self.optimizer.forget_failed_step()
         return loaded
@@ -580,7 +450,7 @@ class Engine:
         """The whole model's state dict (fp32 master weights, frozen
         parameters, buffers) on rank 0, gathered one unit at a time; an
         empty dict on the other ranks. Call it on every rank."""
-        self._refuse_if_destroyed()
+        self.lifetime.check_not_destroyed()
         self._finish_step()
         return checkpoint.full_state_dict(self, dtype)
 
@@ -588,6 +458,9 @@ class Engine:
         """Bytes per rank held for parameters, gradients, optimizer states and
         buffers on each tier (device, host, NVMe): measured, beside what the
         stage's layout and the offload policy predict."""
-        self._refuse_if_destroyed()
+        self.lifetime.check_not_destroyed()
         self._finish_step()
+        return self._measure_memory()
+
+    def _measure_memory(self) -> MemoryReport:
         return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device)

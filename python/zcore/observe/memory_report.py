@@ -129,7 +129,7 @@ def measure_memory(
     residency: Any,
     device: torch.device,
 ) -> MemoryReport:
-    """``residency``: the engine's (zcore.engine.engine.ParamResidency); in stage 3
+    """``residency``: the engine's (zcore.engine.residency.ParamResidency); in stage 3
     a zcore.zero3.param_fetcher.ParamFetcher. ``device``: the compute device.
     ``optimizer`` None: an inference engine, without gradients or states."""
     stage, offload = policies.stage, policies.offload

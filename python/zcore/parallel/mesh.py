@@ -186,6 +186,14 @@ class DataParallelRanks:
         return RankGroup.world() if self.model_parallel is None else self.model_parallel.data_parallel
 
     @property
+    def device_mesh(self) -> Optional[DeviceMesh]:
+        """The "dp" x "tp" mesh given, or the nodes x ranks mesh of the
+        topology; None where no feature needed one."""
+        if self.model_parallel is not None:
+            return self.model_parallel.mesh
+        return self.topology.mesh if self.topology is not None else None
+
+    @property
     def writes_shards(self) -> bool:
         """This rank's copy of its shards is the one a checkpoint stores
         (the first shard group's)."""
