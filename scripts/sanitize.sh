@@ -21,7 +21,7 @@ ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 \
 rm -rf build/asan/site
 mkdir -p build/asan/site
 cp -r python/zcore build/asan/site/
-cp build/asan/cpp/bindings/_C*.so build/asan/site/zcore/
+cp build/asan/bindings/_C*.so build/asan/site/zcore/
 # Python is not built with ASan, so its runtime is preloaded, with libstdc++
 # ahead of torch's loading (ASan's __cxa_throw interceptor needs it at start).
 # Leak checking is off: CPython and torch keep memory until exit by design.

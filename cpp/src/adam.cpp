@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "adam_kernels.h"
 #include "kernel_checks.h"
+#include "kernels/adam_kernels.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/status.h"
 #include "zcore/thread_pool.h"

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "kernel_checks.h"
-#include "quantize_kernels.h"
+#include "kernels/quantize_kernels.h"
 #include "zcore/cpu_isa.h"
 #include "zcore/status.h"
 #include "zcore/thread_pool.h"

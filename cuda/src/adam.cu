@@ -7,7 +7,7 @@
 // of tensors takes one launch.
 //
 // The update uses the _rn intrinsics (no contraction into fma except where
-// the CPU kernels use an fma) in the operation order of cpp/src/adam_simd.h,
+// the CPU kernels use an fma) in the operation order of cpp/src/kernels/adam_simd.h,
 // so a device step gives the same bits as a CPU step.
 #include <cuda_runtime.h>
 

@@ -7,7 +7,7 @@
 // codes). Blocks under 32 elements leave lanes idle.
 //
 // Every operation is an IEEE fp32 one (_rn intrinsics, rintf for round half
-// to even), in the order of cpp/src/quantize_simd.h, so that codes, scales
+// to even), in the order of cpp/src/kernels/quantize_simd.h, so that codes, scales
 // and decoded values are the CPU kernels' bits.
 #include <cuda_runtime.h>
 

@@ -250,7 +250,7 @@ class ParamCoordinator:
     def num_modules(self) -> int: ...
 
 
-# swap manager (ownership and leftovers: note "swap file ownership" in cpp/include/zcore/swap_manager.h)
+# swap manager (ownership and leftovers: note "swap file ownership" in cpp/include/zcore/swap_file.h)
 
 class SwapState(enum.Enum):
     WRITING = 0

@@ -1,6 +1,8 @@
 // Property harness for ParamCoordinator, shared by the GoogleTest property
-// test (tests/cpp/test_coordinator.cpp, a few thousand traces) and the fuzz
-// target (bench/cpp/bench_coordinator.cpp, >= 10^5 traces).
+// tests (tests/cpp/test_coordinator.cpp and test_coordinator_shards.cpp, a
+// few thousand traces each) and the fuzz target
+// (bench/cpp/bench_coordinator.cpp, >= 10^5 traces); at its end, the helpers
+// of the example tests (tests/cpp/test_coordinator*.cpp).
 //
 // FaithfulCaller plays the Python layer: it executes every plan action on its
 // own view of the groups (built only from the actions, never read from the
@@ -37,6 +39,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -570,5 +574,62 @@ inline PropertyVerdict check_random_trace(std::uint64_t seed, bool tiered = fals
                                                         verdict.first_violation;
   return verdict;
 }
+
+}  // namespace zcore::harness
+
+// Helpers of the example tests (test_coordinator*.cpp), which write the plans
+// they expect as lists of {kind, group} and print them as G0 W0 R0 Fetch0 ...
+// when a test fails.
+namespace zcore {
+
+inline bool operator==(const Action& a, const Action& b) { return a.kind == b.kind && a.group == b.group; }
+
+inline void PrintTo(const Action& a, std::ostream* os) {
+  static const char* const kNames[] = {"G", "W", "R", "Fetch", "Ready", "Drop", "Store", "Stored"};
+  *os << kNames[static_cast<int>(a.kind)] << a.group;
+}
+
+}  // namespace zcore
+
+namespace zcore::harness {
+
+constexpr ActionKind G = ActionKind::kGather;
+constexpr ActionKind W = ActionKind::kWait;
+constexpr ActionKind R = ActionKind::kRelease;
+constexpr ActionKind Fetch = ActionKind::kFetchShard;
+constexpr ActionKind Ready = ActionKind::kShardReady;
+constexpr ActionKind Drop = ActionKind::kDropShard;
+constexpr ActionKind Store = ActionKind::kStoreShard;
+constexpr ActionKind Stored = ActionKind::kShardStored;
+constexpr std::int64_t S = 1'000'000;  // a layer-sized group, above the persistence threshold
+
+inline Plan plan(std::initializer_list<Action> actions) { return Plan(actions); }
+
+inline CoordinatorConfig config(std::int64_t bucket, std::int64_t live, std::int64_t reuse) {
+  CoordinatorConfig c;
+  c.prefetch_bucket_elements = bucket;
+  c.max_live_elements = live;
+  c.max_reuse_distance = reuse;
+  return c;
+}
+
+// n groups of `numel` elements and one module per group (module i uses group i).
+struct Chain {
+  explicit Chain(const CoordinatorConfig& cfg, int n, std::int64_t numel = S) : c(cfg) {
+    for (int i = 0; i < n; ++i) c.register_module({c.register_group(numel, 2)});
+  }
+  void run(const std::vector<ModuleId>& order) {
+    for (ModuleId m : order) {
+      c.before_module(m);
+      c.after_module(m);
+    }
+  }
+  void step(const std::vector<ModuleId>& order, std::int64_t key = 0) {
+    c.begin_step(key);
+    run(order);
+    c.end_step();
+  }
+  ParamCoordinator c;
+};
 
 }  // namespace zcore::harness

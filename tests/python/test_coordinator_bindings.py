@@ -1,6 +1,6 @@
 """The native ZeRO-3 coordinator driven from Python: plans, errors, notices.
 
-The exhaustive checks are in C++ (tests/cpp/test_coordinator.cpp); these
+The exhaustive checks are in C++ (tests/cpp/test_coordinator*.cpp); these
 check that the bindings carry the protocol across intact.
 """
 

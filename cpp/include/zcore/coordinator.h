@@ -330,19 +330,23 @@ class ParamCoordinator {
   std::size_t next_use(GroupId group) const;
   // The group's next use needs an all-gather (gather) or a shard fetch again.
   void rewind_frontiers(GroupId group, bool gather);
-  // Shard staging (coordinator.cpp, "Shard tiers").
+  bool keep_after_use(GroupId group) const;
+  void drain(bool release_persistent);
+  void finish_step();
+  std::int64_t live_limit(std::int64_t mandatory) const;
+
+  // Shard tiers (coordinator_shards.cpp).
+  // The tier a new shard asked for `tier` gets (nvme_host_elements).
+  ShardTier tier_kept(ShardTier tier, std::int64_t shard_numel);
   bool fetch_entering(const std::vector<GroupId>& entering);
   void fetch_ahead();
   void stage_for_gather(GroupId group, const std::vector<GroupId>& entering);
   bool stage_for_prefetch(GroupId group);
   void make_staging_room(GroupId group, const std::vector<GroupId>& entering);
   void drain_shards(bool wait_stores);
-  bool keep_after_use(GroupId group) const;
-  void drain(bool release_persistent);
-  void finish_step();
-  std::int64_t live_limit(std::int64_t mandatory) const;
 
-  // Each emits one action and applies its transition.
+  // Each emits one action and applies its transition; the gather actions'
+  // are in coordinator.cpp, the shard actions' in coordinator_shards.cpp.
   void emit_gather(GroupId group, bool ahead_of_use);
   void emit_wait(GroupId group);
   void emit_release(GroupId group);
@@ -351,8 +355,6 @@ class ParamCoordinator {
   void emit_drop(GroupId group);
   void emit_store(GroupId group);
   void emit_shard_stored(GroupId group);
-  // The tier a new shard asked for `tier` gets (nvme_host_elements).
-  ShardTier tier_kept(ShardTier tier, std::int64_t shard_numel);
 
   const CoordinatorConfig config_;
   ParamGroupTable groups_;

@@ -14,42 +14,17 @@
 // works: start swapping in the next item while the current one is used, and
 // swap out the previous one.
 //
-// Sharing a directory (note "swap file ownership"). Every rank of every job
-// may be given the same directory, on one host or on several over a shared
-// filesystem, and one process may hold several managers there:
-//   - The file is zcore-swap-<name>-rank<R>-<host>-<pid>-<random>.swp, created
-//     with O_EXCL (a new random part on a collision), so no two managers ever
-//     share a file. `name` (optional) says what the file holds.
-//   - The manager holds flock(LOCK_EX) on the file from its creation until
-//     close(); the kernel drops it when the process dies, however it dies
-//     (over NFS, a host that died releases it once its lease expires).
-//   - The constructor first removes leftovers: files named zcore-swap-*.swp
-//     that nobody holds the lock of (their manager's process died). A file
-//     whose lock is held is a live manager's and is left alone, as are
-//     symlinks, directories and every other name, and files named by a live
-//     process of this host (at most one not locked yet, below).
-//     leftovers_removed() lists what was removed;
-//     stats().leftover_bytes_removed counts the bytes.
-//   - A file is created, then locked, then checked to be still there: a
-//     constructor sweeping in between (it saw an unlocked file) makes this one
-//     try a new name rather than use a removed file.
-// Locks across hosts need a filesystem that shares them (NFS with its lock
-// manager, Lustre mounted with -o flock): where locks are host-local,
-// give each host its own directory. A filesystem that refuses flock (ENOLCK,
-// ENOSYS, EOPNOTSUPP) is kIoError at construction: without the lock, another
-// manager's sweep could take this live file for a leftover.
-//
-// The constructor checks the directory before training starts: it must exist,
-// accept a new file (kIoError naming the path and errno otherwise: EACCES,
-// EROFS, ...), and its filesystem must have `capacity` bytes free once the
-// leftovers are removed (kNoSpace with `required` and `available`; not checked
-// where the filesystem reports no size, like ramfs). The file is not
-// preallocated: it grows as extents are first written, so a swap-out that
-// needs new blocks (a first write, or any write on a copy-on-write
-// filesystem) can still fail with kNoSpace when the disk has filled since;
-// the error then names the swap file, `required` and `available`. close()
-// (or the destructor) waits for pending I/O, removes the swap file and
-// releases the lock.
+// The file itself (swap_file.h) is named, created, locked and removed by a
+// SwapFile, which also sweeps the leftover files of killed processes from the
+// directory (note "swap file ownership": the directory may be shared by
+// every rank of every job) and checks, before training starts, that the
+// directory exists, accepts a new file and has `capacity` bytes free. The
+// file is not preallocated: it grows as extents are first written, so a
+// swap-out that needs new blocks (a first write, or any write on a
+// copy-on-write filesystem) can still fail with kNoSpace when the disk has
+// filled since; the error then names the swap file, `required` and
+// `available`. close() (or the destructor) waits for pending I/O, removes the
+// swap file and releases its lock.
 //
 // The swap file is checked to be the one created (device and inode) before
 // every I/O is submitted and again when it completes. A file deleted (a tmp
@@ -66,8 +41,6 @@
 // a disk at 1-3 GB/s) is measured in bench/swap.py.
 #pragma once
 
-#include <sys/types.h>
-
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -78,6 +51,7 @@
 #include "zcore/aio_engine.h"
 #include "zcore/allocator.h"
 #include "zcore/status.h"
+#include "zcore/swap_file.h"
 
 namespace zcore {
 
@@ -93,7 +67,7 @@ enum class SwapState {
 const char* swap_state_name(SwapState state);
 
 struct SwapConfig {
-  std::string directory;     // must exist and be writable; may be shared (see the note above)
+  std::string directory;     // must exist and be writable; may be shared (note in swap_file.h)
   int rank = 0;              // named in the swap file, for people looking at the directory
   std::string name;          // purpose tag in the file name ("params", "optimizer"):
                              // [A-Za-z0-9_]{0,64}, else kInvalidArgument
@@ -149,9 +123,9 @@ class SwapManager {
   SwapExtent extent(SwapId id) const;
   std::vector<SwapId> ids() const;
   SwapStats stats() const;
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
   // Leftover swap files of dead processes that the constructor removed.
-  const std::vector<std::string>& leftovers_removed() const { return leftovers_; }
+  const std::vector<std::string>& leftovers_removed() const { return file_.leftovers_removed(); }
   const AioEngine& engine() const;
 
   // Waits for pending I/O (discarding its errors), removes the swap file and
@@ -175,21 +149,16 @@ class SwapManager {
   BlockHandle allocate_extent(SwapId id, std::uint64_t bytes);
   void wait_unlocked(SwapId id, std::unique_lock<std::mutex>& lock);
   // Throws kSwapCorrupted unless the bytes swapped in match entry.checksum;
-  // reads only `entry` (a copy) and path_, so it runs without the lock.
+  // reads only `entry` (a copy) and path(), so it runs without the lock.
   void verify(SwapId id, const Entry& entry, std::int64_t offset) const;
-  // Throws kSwapFileLost (and remembers it) unless path_ is still the file created.
+  // Throws kSwapFileLost (and remembers it) unless path() is still the file created.
   void check_file();
 
-  const SwapConfig config_;  // checked before any other member is made
-  std::vector<std::string> leftovers_;
-  std::uint64_t leftover_bytes_ = 0;
-  std::string path_;
-  int lock_fd_ = -1;  // the swap file, open with flock(LOCK_EX) held until close()
-  dev_t device_ = 0;  // identity of the swap file created
-  ino_t inode_ = 0;
+  const SwapConfig config_;
+  SwapFile file_;  // before extents_ and engine_: it checks the config first
   std::unique_ptr<Error> lost_;  // set once the file was found deleted or replaced
-  std::unique_ptr<AioEngine> engine_;
   ContiguousAllocator extents_;
+  std::unique_ptr<AioEngine> engine_;
 
   mutable std::mutex mutex_;
   std::unordered_map<SwapId, Entry> entries_;
