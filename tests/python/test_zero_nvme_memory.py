@@ -11,7 +11,7 @@ in flight (3 x 12 bytes x sub_group_size), the staging of parameter reads
 and the unit whose gradient is being added. glibc would keep freed blocks
 of a few MiB in its heap (its mmap threshold grows with each large free),
 which is the allocator's growth, not zcore's: the ranks run with a fixed
-MALLOC_MMAP_THRESHOLD_, as the README advises for tight memory."""
+MALLOC_MMAP_THRESHOLD_, as docs/guide/offload-and-nvme.md advises for tight memory."""
 
 from __future__ import annotations
 

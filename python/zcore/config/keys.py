@@ -70,7 +70,7 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "pipeline": (
         _ANY,
         "zcore pipelines through zcore.pipelining's PipelineStage and a device_mesh with a \"pp\" "
-        "dimension (README: Pipeline parallelism), not DeepSpeed's PipelineModule",
+        "dimension (docs/guide/parallelism.md), not DeepSpeed's PipelineModule",
     ),
     "compression_training": (_ANY, "not supported"),
     "data_efficiency": (_ANY, "not supported"),
