@@ -79,6 +79,10 @@ log = logging.getLogger("zcore")
 
 
 class ZcoreTrainer(transformers.Trainer):
+    """transformers' Trainer with zcore owning the parameters, gradients,
+    optimizer step and precision (the module docstring says what comes from
+    the TrainingArguments and what from the zcore config)."""
+
     def __init__(self, *args: Any, zcore_config: Union[dict, str, os.PathLike, None] = None, **kwargs: Any) -> None:
         """``zcore_config``: zcore's (DeepSpeed-style) config, as a dict or a
         JSON file; what it leaves out comes from the TrainingArguments."""

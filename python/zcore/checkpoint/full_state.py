@@ -31,6 +31,9 @@ def refuse_model_parallel(engine: Any, what: str) -> None:
 
 
 def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (fp32 master weights in ``dtype``,
+    frozen parameters, buffers) on rank 0, gathered one unit at a time; an
+    empty dict on the other ranks. Collective: call it on every rank."""
     refuse_model_parallel(engine, "engine.full_state_dict()")
     layout = engine_layout(engine)
     values = dict(full_state_tensors(engine, layout, dtype))

@@ -34,6 +34,11 @@ log = logging.getLogger("zcore")
 
 
 def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> Path:
+    """Writes ``engine``'s checkpoint under ``save_dir/tag`` (default
+    ``global_step{N}``): each rank its ranges of the fp32 weights and
+    optimizer states, beside JSON metadata, published atomically; then
+    ``save_dir/latest`` names the tag. Collective, at an accumulation
+    boundary. Returns the tag directory."""
     if engine.accumulated_micro_steps:
         raise CheckpointError(
             f"save_checkpoint was called after micro-step {engine.micro_steps}, inside a gradient "

@@ -337,6 +337,11 @@ class ZeroConfig(Section):
 
 
 class Config(Section):
+    """A DeepSpeed-style training config, validated: every key DeepSpeed
+    documents that zcore implements, under DeepSpeed's names and defaults;
+    an unknown key, a wrong type or inconsistent batch sizes is a
+    ConfigError naming the key (docs/reference/config.md lists them all)."""
+
     train_batch_size: Union[int, Auto, None] = None
     train_micro_batch_size_per_gpu: Union[int, Auto, None] = None
     gradient_accumulation_steps: Union[int, Auto, None] = None

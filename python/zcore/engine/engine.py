@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -139,14 +140,17 @@ class Engine:
     forward = __call__
 
     def train(self, mode: bool = True) -> Engine:
+        """Sets the module's training mode, as ``torch.nn.Module.train``."""
         self.module.train(mode)
         return self
 
     def eval(self) -> Engine:
+        """``train(False)``."""
         return self.train(False)
 
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming backward ends an accumulation window (its step updates)."""
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
@@ -348,6 +352,7 @@ class Engine:
 
     # What DeepSpeed users query.
     def get_lr(self) -> list[float]:
+        """Each parameter group's learning rate."""
         return [group["lr"] for group in self._trainer("get_lr").param_groups]
 
     @property
@@ -366,12 +371,15 @@ class Engine:
         return self.ranks.device_mesh
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
         return self.batch.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on each rank."""
         return self.batch.micro_batch_per_rank
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self.batch.gradient_accumulation_steps
 
     def gather_stats(self) -> Any:
@@ -386,18 +394,14 @@ class Engine:
         self.lifetime.destroy(self._close)
 
     def _close(self, was_live: bool) -> None:
-        try:
+        # Each part closes even when one before it raises (callbacks run last-in, first-out).
+        with ExitStack() as closing:
+            closing.callback(self.observation.close)
+            if self.optimizer is not None:
+                closing.callback(self.optimizer.close)
+            closing.callback(self.residency.close)
             if was_live:  # else its failure was raised already
                 self._finish_step()
-        finally:
-            try:
-                self.residency.close()
-            finally:
-                try:
-                    if self.optimizer is not None:
-                        self.optimizer.close()
-                finally:
-                    self.observation.close()
 
     # Checkpoints (zcore.checkpoint).
     def save_checkpoint(

@@ -48,6 +48,12 @@ def _fetcher_of(params: list[torch.nn.Parameter]) -> Optional[ParamFetcher]:
 
 
 class GatheredParameters:
+    """A ``with`` block in which ``params`` are whole on every rank (ZeRO-3:
+    their groups are gathered for the block). With ``modifier_rank=r``, rank
+    r's values at the end of the block are broadcast and written into every
+    rank's shard and fp32 master weights. Parameters zcore does not shard are
+    whole already, and the block does nothing for them."""
+
     def __init__(
         self,
         params: Union[torch.nn.Parameter, Iterable[torch.nn.Parameter]],
@@ -83,6 +89,9 @@ class GatheredParameters:
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """``module`` uses ``param`` although another module owns it: ZeRO-3
+    gathers ``param``'s group whenever ``module`` runs. Call it before or
+    after ``zcore.initialize``."""
     fetcher = _fetcher_of([param])
     if fetcher is None:
         _PENDING.setdefault(module, []).append(param)

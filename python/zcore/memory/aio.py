@@ -142,6 +142,7 @@ class AioEngine:
         return self._native.config
 
     def stats(self) -> _C.AioStats:
+        """Requests, bytes read and written, and the bytes that went through bounce buffers or the page cache."""
         return self._native.stats()
 
     def pwrite(

@@ -99,6 +99,7 @@ class Arena:
         return Block(handle=handle, shape=shape, dtype=dtype, nbytes=nbytes)
 
     def free(self, block: Block) -> None:
+        """Returns ``block``'s bytes to the arena (coalesced with free neighbours)."""
         self._native.free(block.handle)
 
     def tensor(self, block: Block) -> torch.Tensor:
@@ -120,6 +121,7 @@ class Arena:
         return self._native.defragment()
 
     def stats(self) -> _C.AllocatorStats:
+        """Bytes used and free, the largest free block, fragmentation."""
         return self._native.stats()
 
     @property

@@ -68,6 +68,7 @@ class HostMemory:
         return self._native.stats().budget
 
     def stats(self) -> _C.HostMemoryStats:
+        """The budget, the bytes held and locked (pinned), and the peak."""
         return self._native.stats()
 
 

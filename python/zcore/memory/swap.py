@@ -201,12 +201,14 @@ class SwapManager:
         return backend_name(self._native.backend)
 
     def stats(self) -> _C.SwapStats:
+        """The file's capacity and use, its entries, and the bytes swapped out and in."""
         return self._native.stats()
 
     def __contains__(self, key: int) -> bool:
         return self._native.contains(key)
 
     def state(self, key: int) -> _C.SwapState:
+        """Where tensor ``key``'s swap is: being written, on disk, or being read back."""
         return self._native.state(key)
 
     def extent(self, key: int) -> _C.SwapExtent:

@@ -73,9 +73,12 @@ class PipelineStage(TorchPipelineStage):
         return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        """The stage's forward through its zcore engine (called by torch's schedules)."""
         return self.engine(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        """The stage's backward through its zcore engine (called by torch's
+        schedules); only full backwards, not split input and weight ones."""
         if backward_type != "full":
             raise InvalidStateError(
                 f"a {backward_type}-only backward: zcore reduces a parameter's gradient once it is whole, so "

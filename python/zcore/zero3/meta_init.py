@@ -68,6 +68,7 @@ class MetaInit:
     seed: int = 0
 
     def module_seed(self, name: str) -> int:
+        """The seed the module named ``name`` is initialised with: the same on every rank and run."""
         return zlib.crc32(f"{self.seed}:{name}".encode())
 
     @contextlib.contextmanager
