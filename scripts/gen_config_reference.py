@@ -63,8 +63,10 @@ DESCRIPTIONS: dict[str, str] = {
         "dtype: summing low-precision gradients over many ranks loses bits or overflows."
     ),
     "Config.steps_per_print": (
-        "Every this many optimizer steps, rank 0 logs the step, learning rate, loss scale and skipped steps "
-        "(logger `zcore`, level INFO), and with `wall_clock_breakdown` prints the step's time split."
+        "Every this many optimizer steps, rank 0 prints DeepSpeed's progress line (`step=N, skipped=K, "
+        "lr=[...], mom=[...]`: skipped steps count, the lr is the next step's), and with "
+        "`wall_clock_breakdown` the step's time split: to stderr, or through your logging where it handles "
+        "the logger `zcore.steps` (INFO)."
     ),
     "Config.wall_clock_breakdown": (
         "Records each step's metrics (as the monitors do) and prints the time split on rank 0 every "
@@ -250,8 +252,9 @@ DESCRIPTIONS: dict[str, str] = {
         "through host memory ahead of use and written back after."
     ),
     "_OffloadSection.nvme_path": (
-        "Directory for the swap files (required with `device` `nvme`, ignored otherwise). Checked at "
-        "`initialize`; a relative path is taken from the working directory then. Ranks and jobs may share it."
+        "Directory for the swap files (required with `device` `nvme`, ignored otherwise). Created with its "
+        "parents at `initialize` where missing, as DeepSpeed does; a relative path is taken from the working "
+        "directory then. Ranks and jobs may share it."
     ),
     "OffloadOptimizerConfig.pin_memory": (
         "Page-locks the host buffers of the optimizer states (only where CUDA is available)."
@@ -374,7 +377,10 @@ INTRO = """\
 zcore reads a DeepSpeed JSON config (a file path, a dict, or a `zcore.config.Config`). Every key it
 implements has DeepSpeed's name, default and meaning unless the table says otherwise. Values are taken
 strictly: `true` is not `1`, `"4"` is not `4`, an integer written as `5e8` is that integer, and an
-unknown key is an error naming the key and the keys allowed there. Errors are `zcore.ConfigError`.
+unknown key is an error naming the key, the nearest known key and the keys allowed there. `"auto"` (of
+configs written for transformers) is filled in only by `zcore.trainer.ZcoreTrainer`, from its
+TrainingArguments; elsewhere it is an error, but for the batch sizes, where it means inferred. Errors are
+`zcore.ConfigError`.
 
 - **DeepSpeed**: "same" where DeepSpeed reads the key under the same name; "zcore only" for zcore's own
   keys; other spellings DeepSpeed also reads are listed, and zcore refuses them as unknown keys.

@@ -74,7 +74,7 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"zero_optimization": {"stgae": 2}}, r"unknown key 'zero_optimization.stgae'; allowed here: .*stage"),
+        ({"zero_optimization": {"stgae": 2}}, r"unknown key 'zero_optimization.stgae'; .* Allowed here: .*stage"),
         ({"train_batchsize": 8}, r"unknown key 'train_batchsize'.*train_batch_size"),
         ({"zero_optimization": {"stage": "two"}}, r"zero_optimization.stage"),
         ({"gradient_clipping": -1}, r"gradient_clipping"),
@@ -394,3 +394,84 @@ def test_nvme_sizes_and_counts_out_of_range_are_refused_naming_the_key(path, val
 def test_no_parameter_shards_kept_in_host_memory_is_accepted():
     cfg = load_config(with_key("zero_optimization.offload_param.max_in_cpu", 0))
     assert cfg.zero_optimization.offload_param.max_in_cpu == 0
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("gradient_accumulation_step", "gradient_accumulation_steps"),
+        ("train_micro_batch_size", "train_micro_batch_size_per_gpu"),
+        ("zero_optimisation", "zero_optimization"),
+        ("gradient_cliping", "gradient_clipping"),
+        ("zero_optimization.stgae", "zero_optimization.stage"),
+        ("zero_optimization.offload_optimiser", "zero_optimization.offload_optimizer"),
+        ("zero_optimization.stage3_prefetch_bucket", "zero_optimization.stage3_prefetch_bucket_size"),
+        ("zero_optimization.offload_param.nvme_pth", "zero_optimization.offload_param.nvme_path"),
+    ],
+)
+def test_an_unknown_key_suggests_the_nearest_known_key(typo, meant):
+    with pytest.raises(zcore.ConfigError) as info:
+        load_config(with_key(typo, 1))
+    (line,) = [problem.strip() for problem in str(info.value).splitlines()[1:]]
+    assert line.startswith(f"unknown key {typo!r}; did you mean {meant!r}? Allowed here: "), line
+    assert meant.rsplit(".", 1)[-1] in line.split("Allowed here: ")[1].split(", "), line
+
+
+def test_an_unknown_key_near_no_known_key_lists_the_allowed_keys_only():
+    with pytest.raises(zcore.ConfigError) as info:
+        load_config(with_key("zero_optimization.colour", 1))
+    assert "did you mean" not in str(info.value)
+    assert "unknown key 'zero_optimization.colour'; allowed here: allgather_bucket_size, " in str(info.value)
+
+
+# Keys DeepSpeed configs written for transformers set to "auto".
+TRAINER_FILLS = ["gradient_clipping", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+                 "optimizer.params.weight_decay", "bf16.enabled", "fp16.enabled"]
+TRAINER_LEAVES = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                  "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.offload_param.device"]
+
+
+@pytest.mark.parametrize("path", TRAINER_FILLS + TRAINER_LEAVES)
+def test_auto_outside_the_trainer_says_who_resolves_it_and_to_put_a_value(path):
+    config = with_key(path, "auto")
+    if path.startswith("optimizer."):
+        config["optimizer"]["type"] = "AdamW"
+    with pytest.raises(zcore.ConfigError) as info:
+        load_config(config)
+    (line,) = [problem.strip() for problem in str(info.value).splitlines()[1:]]
+    assert line.startswith(f'{path} = "auto": "auto" is resolved only by zcore.trainer.ZcoreTrainer, from its '
+                           "TrainingArguments"), line
+    assert "put a value there instead" in line and "valid number" not in line
+    if path in TRAINER_LEAVES:
+        assert "and only at gradient_clipping, optimizer.params.lr" in line
+    default = {"optimizer.params.lr": "0.001", "optimizer.params.betas": "[0.9, 0.999]", "bf16.enabled": "false",
+               "zero_optimization.reduce_bucket_size": "500000000"}.get(path)
+    if default is not None:
+        assert line.endswith(f"(or remove the key for the default, {default})"), line
+
+
+def test_auto_still_infers_a_batch_size():
+    config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                          "gradient_accumulation_steps": 2})
+    assert config.batch_sizes(world_size=2) == (16, 4, 2)
+
+
+def test_the_trainer_resolves_each_key_the_auto_message_says_it_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from zcore.config.schema import TRAINER_AUTO_KEYS
+    from zcore.trainer import _config_from
+
+    assert sorted(TRAINER_AUTO_KEYS) == sorted(TRAINER_FILLS)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                          learning_rate=3e-4, max_grad_norm=0.5, adam_beta2=0.95)
+    config = {"optimizer": {"type": "AdamW"}}
+    for path in TRAINER_AUTO_KEYS:
+        *sections, key = path.split(".")
+        node = config
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[key] = "auto"
+    resolved = _config_from(args, config)  # every "auto" filled in, or load_config would refuse it
+    assert resolved.optimizer.params.lr == 3e-4 and resolved.optimizer.params.betas == (0.9, 0.95)
+    assert resolved.gradient_clipping == 0.5
+    assert not resolved.bf16.enabled and not resolved.fp16.enabled

@@ -12,12 +12,13 @@ fails or unmounts it itself.
 - A directory that refuses O_DIRECT (ramfs) trains bit for bit like a
   directory on disk, with one INFO line per swap file saying its I/O goes
   through the page cache.
-- A read-only or missing nvme_path is a DiskIOError at zcore.initialize
-  naming the config key, the path and the cause; swap files that vanish
-  mid-run (deleted, or the filesystem unmounted) are a SwapFileLostError at
-  the next step or forward (or backward, for the gradients' file), after
-  which the engine refuses to go on and to save, until a checkpoint is
-  loaded into it.
+- A read-only nvme_path, or one that cannot be created (a file in the
+  way; a missing one is created: test_nvme_path.py), is a DiskIOError at
+  zcore.initialize naming the config key, the path and the cause; swap
+  files that vanish mid-run (deleted, or the filesystem unmounted) are a
+  SwapFileLostError at the next step or forward (or backward, for the
+  gradients' file), after which the engine refuses to go on and to save,
+  until a checkpoint is loaded into it.
 - Lifetime: a relative nvme_path stays where it was at initialize when the
   script changes directory; an engine dropped without destroy() takes its
   swap files with it once collected; a destroyed engine says so when used.
@@ -276,9 +277,15 @@ def unusable(path: str) -> list[tuple[str, dict]]:
     ]
 
 
-def test_a_read_only_or_missing_nvme_path_is_refused_at_initialize(unwritable_dir: Path, tmp_path: Path) -> None:
-    missing = tmp_path / "absent"
-    cases = [(unwritable_dir, (errno.EROFS, errno.EACCES)), (missing, (errno.ENOENT,))]
+def uncreatable(tmp_path: Path) -> Path:
+    """A path that cannot be created: a file is in the way."""
+    (tmp_path / "a_file").write_text("")
+    return tmp_path / "a_file" / "swap"
+
+
+def test_a_read_only_or_uncreatable_nvme_path_is_refused_at_initialize(unwritable_dir: Path, tmp_path: Path) -> None:
+    missing = uncreatable(tmp_path)
+    cases = [(unwritable_dir, (errno.EROFS, errno.EACCES)), (missing, (errno.ENOTDIR,))]
     configs = [config for path, _ in cases for _, config in unusable(str(path))]
     outcomes = iter(run_ranks(initialize_each, 1, configs, launcher=False, timeout=120)[0])
     for path, causes in cases:
@@ -291,7 +298,7 @@ def test_a_read_only_or_missing_nvme_path_is_refused_at_initialize(unwritable_di
 
 
 def test_an_unusable_nvme_path_is_refused_naming_its_config_key(tmp_path: Path) -> None:
-    missing = str(tmp_path / "absent")
+    missing = str(uncreatable(tmp_path))
     outcomes = run_ranks(initialize_each, 1, [c for _, c in unusable(missing)], launcher=False, timeout=120)[0]
     for (key, _), out in zip(unusable(missing), outcomes):
         assert out["error"] == "DiskIOError", out

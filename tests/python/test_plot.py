@@ -15,7 +15,7 @@ from matplotlib.image import imread
 
 from zcore import cli
 from zcore.errors import InvalidArgumentError
-from zcore.observe.plot import file_name, read_series, write_plots
+from zcore.observe.plot import draw_pictures, file_name, read_run, read_series, write_plots
 
 PICTURES = ("loss_lr.png", "throughput.png", "step_time.png", "memory.png")
 GIB = 2**30
@@ -42,18 +42,21 @@ class CsvMonitor:
                 writer.writerow([step, value])
 
 
-def step_events(step: int, rng: random.Random, *, skipped_before: int, skip: bool) -> list[tuple[str, float, int]]:
+def step_events(step: int, rng: random.Random, *, skipped_before: int, skip: bool,
+                fp16: bool = True, nvme: bool = True) -> list[tuple[str, float, int]]:
     """One optimizer step of a 7B-parameter model on 4 ranks, fp16, with
     parameters and optimizer states on NVMe: 128 samples of 2048 tokens a
-    step, warmup then cosine learning rate, loss falling with noise."""
+    step, warmup then cosine learning rate, loss falling with noise.
+    Without fp16 the loss scale is 1 throughout (as zcore records it for
+    bf16 and fp32); without NVMe the nvme tier holds 0 bytes."""
     samples = 128 * step
     loss = 2.2 + 8.6 * math.exp(-step / 45) + rng.gauss(0, 0.12)
     warmup, total = 20, 200
     lr = 3e-4 * (step / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
-    scale = 2.0 ** (16 - skipped_before - skip + step // 80)
+    scale = 2.0 ** (16 - skipped_before - skip + step // 80) if fp16 else 1.0
     parts = {
         "forward": rng.gauss(820, 40), "backward": rng.gauss(1650, 70), "step": rng.gauss(2300, 120),
-        "comm_wait": rng.gauss(310, 60), "nvme_wait": max(0.0, rng.gauss(2900, 350)),
+        "comm_wait": rng.gauss(310, 60), "nvme_wait": max(0.0, rng.gauss(2900, 350)) if nvme else 0.0,
         "copy_wait": rng.gauss(420, 30), "other": rng.gauss(140, 25),
     }
     total_ms = sum(parts.values())
@@ -72,21 +75,26 @@ def step_events(step: int, rng: random.Random, *, skipped_before: int, skip: boo
         "host/process_rss": (12.2 + 0.004 * step) * GIB,
         "nvme/parameters": 3.26 * GIB, "nvme/optimizer_states": 19.6 * GIB if step > 1 else 0.0,
     }
+    if not nvme:
+        memory.update({"nvme/parameters": 0.0, "nvme/optimizer_states": 0.0})
     return [(f"Train/Samples/{k}", v, samples) for k, v in train.items()] + [
         (f"Memory/{k}", v, samples) for k, v in memory.items()
     ]
 
 
-def write_run(job_dir: Path, steps: int = 200, *, resume_at: int = 1, seed: int = 0) -> None:
+def write_run(job_dir: Path, steps: int = 200, *, resume_at: int = 1, seed: int = 0,
+              fp16: bool = True, nvme: bool = True) -> None:
     """One process of a synthetic run writing steps ``resume_at`` to
     ``steps``; a second call with ``resume_at`` > 1 is a run restarted from
     a checkpoint into the same directory."""
     rng = random.Random(seed)
-    skips = {1, 2, 87, 140}  # fp16's first steps overflow at the initial scale, then now and then
+    # fp16's first steps overflow at the initial scale, then now and then.
+    skips = {1, 2, 87, 140} if fp16 else set()
     monitor = CsvMonitor(job_dir)
     for step in range(resume_at, steps + 1):
         skipped_before = sum(1 for s in skips if s < step)
-        monitor.write_events(step_events(step, rng, skipped_before=skipped_before, skip=step in skips))
+        monitor.write_events(step_events(step, rng, skipped_before=skipped_before, skip=step in skips,
+                                         fp16=fp16, nvme=nvme))
 
 
 def assert_png(path: Path) -> None:
@@ -164,3 +172,48 @@ def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
     with pytest.raises(ModuleNotFoundError, match=r"pip install matplotlib \(or pip install 'zcore\[monitors\]'\)"):
         write_plots(tmp_path / "job")
+
+
+def panels(figure) -> list[str]:
+    """Each panel of a picture, by its y label, or its title where the panels share one (memory)."""
+    return [ax.get_title(loc="left").split(":")[0] or ax.get_ylabel() for ax in figure.axes]
+
+
+def test_panels_without_information_are_left_out(tmp_path):
+    write_run(tmp_path / "mixed", steps=60)
+    write_run(tmp_path / "plain", steps=60, fp16=False, nvme=False)  # bf16 or fp32, states in memory
+    mixed = draw_pictures(read_run(tmp_path / "mixed"))
+    plain = draw_pictures(read_run(tmp_path / "plain"))
+    assert panels(mixed["loss_lr.png"]) == ["training loss", "learning rate", "gradient norm (L2)", "loss scale (fp16)"]
+    assert panels(plain["loss_lr.png"]) == ["training loss", "learning rate", "gradient norm (L2)"]
+    assert panels(mixed["memory.png"]) == ["device (where the model computes)", "host memory", "NVMe"]
+    assert panels(plain["memory.png"]) == ["device (where the model computes)", "host memory"]
+    written = write_plots(tmp_path / "plain", tmp_path / "out")
+    assert [p.name for p in written] == list(PICTURES)
+
+
+def averages(figure) -> list:
+    (loss_panel, *_) = figure.axes
+    return [line for line in loss_panel.get_lines() if "moving average" in line.get_label()]
+
+
+@pytest.mark.parametrize("steps, window", [(12, 3), (60, 3), (200, 11)])
+def test_the_loss_moving_average_starts_at_the_first_step_and_names_its_window(tmp_path, steps, window):
+    write_run(tmp_path / "job", steps=steps, fp16=False)
+    loss = read_series(tmp_path / "job" / file_name("Train/Samples/train_loss")).values
+    (average,) = averages(draw_pictures(read_run(tmp_path / "job"))["loss_lr.png"])
+    assert f"loss, moving average of {window} steps" in average.get_label()
+    y = list(average.get_ydata())
+    assert len(y) == steps and all(math.isfinite(v) for v in y)
+    # Centred on each step, narrowed near the ends so that it stays centred:
+    # the first step is its own average, the window then grows by two a step.
+    half = window // 2
+    for i in range(steps):
+        h = min(i, steps - 1 - i, half)
+        assert y[i] == pytest.approx(sum(loss[i - h:i + h + 1]) / (2 * h + 1), rel=1e-12), i
+    assert y[0] == pytest.approx(loss[0], rel=1e-12)
+
+
+def test_a_run_of_a_few_steps_has_no_moving_average(tmp_path):
+    write_run(tmp_path / "job", steps=4, fp16=False)
+    assert averages(draw_pictures(read_run(tmp_path / "job"))["loss_lr.png"]) == []

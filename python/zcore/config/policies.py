@@ -43,7 +43,9 @@ class SwapSpace:
 
     def open(self, name: str, capacity: int, host_bytes: int) -> SwapManager:
         """This rank's swap file ``name`` of ``capacity`` bytes, reading
-        through a host pool of ``host_bytes``."""
+        through a host pool of ``host_bytes``; the directory is created
+        first where it is missing."""
+        self._make_directory()
         try:
             return SwapManager(
                 self.path, capacity, name=name, host_budget=host_bytes,
@@ -51,6 +53,42 @@ class SwapSpace:
             )
         except DiskIOError as exc:
             raise type(exc)(f"{self.key} = {self.path!r} cannot hold swap files: {exc}", **exc.details) from exc
+
+    def _make_directory(self) -> None:
+        """Creates the directory and its parents where missing, as DeepSpeed
+        does (runtime/swap_tensor's swappers call os.makedirs(exist_ok=True)).
+        Every rank does so, concurrently: a directory another rank has just
+        created is no error."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            # exc.filename: the component that failed, which may be a parent.
+            where = exc.filename if isinstance(exc.filename, str) else self.path
+            reason = f"{where!r}: {exc.strerror or exc}"
+            in_the_way = _not_a_directory(self.path)
+            if in_the_way is not None:
+                reason += f" ({in_the_way!r} exists and is not a directory)"
+            raise DiskIOError(
+                f"{self.key} = {self.path!r} is not a directory and cannot be created: {reason}; set it to "
+                "a directory on a local disk this process may write to, or create that directory first",
+                path=self.path, errno=exc.errno,
+            ) from exc
+        except ValueError as exc:  # a NUL byte: no path the OS takes
+            raise DiskIOError(
+                f"{self.key} = {self.path!r} is not a usable path ({exc}); set it to a directory on a local disk",
+                path=self.path,
+            ) from exc
+
+
+def _not_a_directory(path: str) -> Optional[str]:
+    """The nearest of ``path`` and its parents that exists, where it is not
+    a directory (what stops the path from being created); else None."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 @dataclass(frozen=True)

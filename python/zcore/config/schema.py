@@ -9,6 +9,7 @@ refused naming the key and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import stat
@@ -120,7 +121,8 @@ class _OffloadSection(Section):
     # host memory ahead of its use and written back after.
     device: Literal["none", "cpu", "nvme"] = "none"
     # A directory on a fast local disk; ignored unless device is "nvme" (as in
-    # DeepSpeed). Whether it exists and is writable is checked at initialize.
+    # DeepSpeed). Created at initialize where missing (as DeepSpeed does);
+    # one that cannot be created or written is an error there.
     nvme_path: Optional[str] = None
 
     @model_validator(mode="after")
@@ -544,8 +546,10 @@ def _describe(exc: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             section, model = _walk(err["loc"][:-1])
             key = ".".join([*section, str(err["loc"][-1])])
-            allowed = ", ".join(sorted(getattr(model, "model_fields", {}))) or "(none)"
-            text = f"unknown key {key!r}; allowed here: {allowed}"
+            text = _unknown_key(key, sorted(getattr(model, "model_fields", {})))
+        elif err.get("input") == "auto":
+            key = ".".join(_walk(err["loc"])[0])
+            text = _auto_outside_trainer(key or "config", _default_at(err["loc"]))
         else:
             key = ".".join(_walk(err["loc"])[0])
             text = f"{key or 'config'}: {err['msg']} (got {show_value(err.get('input'))})"
@@ -554,6 +558,60 @@ def _describe(exc: ValidationError) -> str:
     # gives one error per branch: show them as one line.
     lines = [" / ".join(dict.fromkeys(texts)) for texts in problems.values()]
     return f"invalid zcore config ({len(lines)} problem(s)):\n  " + "\n  ".join(lines)
+
+
+def _unknown_key(key: str, allowed: list[str]) -> str:
+    *section, leaf = key.split(".")
+    near = difflib.get_close_matches(leaf, allowed, n=1)
+    guess = f"; did you mean {'.'.join([*section, near[0]])!r}? Allowed" if near else "; allowed"
+    return f"unknown key {key!r}{guess} here: {', '.join(allowed) or '(none)'}"
+
+
+# The keys whose "auto" zcore.trainer.ZcoreTrainer fills in, and from what
+# (zcore.trainer's _config_from; DeepSpeed configs written for transformers
+# carry "auto" there). The batch-size keys take "auto" anywhere: inferred.
+TRAINER_AUTO_KEYS: dict[str, str] = {
+    "gradient_clipping": "max_grad_norm",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "adam_beta1 and adam_beta2",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "bf16.enabled": "bf16",
+    "fp16.enabled": "false: TrainingArguments.fp16 stays off, zcore's fp16 is set in its config",
+}
+
+
+def _auto_outside_trainer(key: str, default: Any) -> str:
+    fix = "put a value there instead" + (f" (or remove the key for the default, {_as_json(default)})"
+                                         if default is not None else "")
+    source = TRAINER_AUTO_KEYS.get(key)
+    if source is not None:
+        return (
+            f'{key} = "auto": "auto" is resolved only by zcore.trainer.ZcoreTrainer, from its '
+            f"TrainingArguments ({source}); zcore.initialize takes the config as given: {fix}"
+        )
+    return (
+        f'{key} = "auto": "auto" is resolved only by zcore.trainer.ZcoreTrainer, from its TrainingArguments, '
+        f"and only at {', '.join(TRAINER_AUTO_KEYS)} (the batch sizes infer it anywhere); {fix}"
+    )
+
+
+def _as_json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return show_value(value)
+
+
+def _default_at(loc: tuple) -> Any:
+    """The default of the key at an error location, or None where it has none."""
+    *parent, leaf = map(str, loc) if loc else ("",)
+    model = _walk(tuple(parent))[1]
+    field = getattr(model, "model_fields", {}).get(leaf)
+    if field is None or field.is_required():
+        return None
+    default = field.get_default(call_default_factory=True)
+    return None if isinstance(default, BaseModel) else default  # a section: no one value to name
 
 
 def _walk(loc: tuple) -> tuple[list[str], Any]:

@@ -13,8 +13,7 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +22,7 @@ from zcore import checkpoint
 from zcore.comm.collectives import DistributedContext
 from zcore.config.policies import Policies
 from zcore.config.schema import Config
+from zcore.engine.deepspeed_names import DeepSpeedEngineNames, refusal
 from zcore.engine.frozen import FrozenParameters
 from zcore.engine.lifetime import Lifetime
 from zcore.engine.observation import StepFigures, StepObservation
@@ -67,12 +67,14 @@ class EngineParts:
     ranks: DataParallelRanks
 
 
-class Engine:
+class Engine(DeepSpeedEngineNames):
     """What ``zcore.initialize`` returns. It delegates to parts with one job
     each: ``residency`` (where parameters live between uses), ``optimizer``
     (the sharded step), ``observation`` (metrics, monitors, profiler, step
     log) and ``lifetime`` (whether it can still be used); it keeps the step
-    counters and the order of forward, backward and step."""
+    counters and the order of forward, backward and step. DeepSpeed's
+    names for what it knows (``local_rank``, ``get_lr()``,
+    ``save_16bit_model``, ...) come from zcore.engine.deepspeed_names."""
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class Engine:
         self.accumulated_micro_steps = 0  # since the last optimizer step: their gradients wait
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
+        self.last_step_applied = False  # whether the last step() updated the parameters
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's, over the count
         self._frozen = FrozenParameters(module)
@@ -109,7 +112,11 @@ class Engine:
     def __getattr__(self, name: str) -> Any:
         # Reached only for names the engine lacks: as DeepSpeed's engine does,
         # they are the wrapped module's (engine.config of a Hugging Face
-        # model is zcore's config, though: the engine's own names come first).
+        # model is zcore's config, though: the engine's own names come first),
+        # except DeepSpeed's engine names zcore refuses, which say why.
+        refused = refusal(name)
+        if refused is not None:
+            raise AttributeError(refused)
         module = self.__dict__.get("module")
         if module is not None and name != "module":
             try:
@@ -139,15 +146,6 @@ class Engine:
 
     forward = __call__
 
-    def train(self, mode: bool = True) -> Engine:
-        """Sets the module's training mode, as ``torch.nn.Module.train``."""
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        """``train(False)``."""
-        return self.train(False)
-
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the coming backward ends an accumulation window (its step updates)."""
@@ -162,11 +160,12 @@ class Engine:
         before each micro-step's backward."""
         self._boundary = bool(is_boundary)
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagates ``loss`` scaled for accumulation (unless
         ``scale_wrt_gas`` is False: the caller scaled it, as DeepSpeed's
         argument says) and by the fp16 loss scale; gradients are reduced
-        across ranks as backward produces them."""
+        across ranks as backward produces them. ``retain_graph``: passed on
+        to torch's backward, as DeepSpeed does."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss tensor, got "
@@ -177,7 +176,9 @@ class Engine:
         self.observation.loss(loss)
         factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         with self.observation.phase(Phase.BACKWARD):
-            self._backward(optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward())
+            self._backward(
+                optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+            )
         self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
@@ -258,8 +259,10 @@ class Engine:
                 "(every micro-batch: forward, backward, step)"
             )
         stepped = self.is_gradient_accumulation_boundary()
+        self.last_step_applied = False
         if stepped:
             skipped = self._optimizer_step(optimizer)
+            self.last_step_applied = not skipped
         else:
             self.accumulated_micro_steps += 1
         self.micro_steps += 1
@@ -268,6 +271,8 @@ class Engine:
         # metrics) finds the step taken and counted, not half done.
         if stepped and not skipped and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
+        if stepped:  # after the schedule moved, as DeepSpeed's _report_progress
+            self.observation.report_progress(self.global_steps, self.skipped_steps, self.get_lr, self.get_mom)
 
     def _optimizer_step(self, optimizer: ShardedOptimizer) -> bool:
         """The optimizer step that ends an accumulation window, counted and
@@ -307,7 +312,7 @@ class Engine:
             skipped=result.skipped,
             skipped_steps=self.skipped_steps,
         )
-        self.observation.end_step(figures, seconds, profiled, memory=self._measure_memory, lrs=self.get_lr)
+        self.observation.end_step(figures, seconds, profiled, memory=self._measure_memory)
         return result.skipped
 
     @property
@@ -344,43 +349,12 @@ class Engine:
             )
             raise
 
-    def zero_grad(self) -> None:
-        """Gradients live in zcore's buffers and are cleared after each step;
-        this clears any ``.grad`` left on the module's parameters."""
-        for p in self.module.parameters():
-            p.grad = None
-
-    # What DeepSpeed users query.
-    def get_lr(self) -> list[float]:
-        """Each parameter group's learning rate."""
-        return [group["lr"] for group in self._trainer("get_lr").param_groups]
-
-    @property
-    def loss_scale(self) -> float:
-        return self._trainer("loss_scale").loss_scale
-
-    @property
-    def zero_stage(self) -> int:
-        return self.policies.stage.stage
-
     @property
     def device_mesh(self) -> Optional[DeviceMesh]:
         """The nodes x ranks mesh hpZ, MiCS and qgZ use (the one given to
         zcore.initialize, or built from LOCAL_WORLD_SIZE), or the "dp" x "tp"
         mesh given (zcore.parallel.mesh); None where no feature needed one."""
         return self.ranks.device_mesh
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per micro-batch on each rank."""
-        return self.batch.micro_batch_per_rank
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self.batch.gradient_accumulation_steps
 
     def gather_stats(self) -> Any:
         """Stage 3: zcore.zero3.param_fetcher.GatherStats (gathers, prefetch hits and
@@ -403,44 +377,7 @@ class Engine:
             if was_live:  # else its failure was raised already
                 self._finish_step()
 
-    # Checkpoints (zcore.checkpoint).
-    def save_checkpoint(
-        self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None
-    ) -> Path:
-        """Every rank writes its ranges of the fp32 weights and optimizer
-        states (safetensors) beside JSON metadata; ``tag`` defaults to
-        ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
-        every rank, at an accumulation boundary. Returns the tag directory."""
-        self.lifetime.check_usable()
-        self._trainer("save_checkpoint")
-        self._finish_step()
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
-
-    def load_checkpoint(
-        self,
-        load_dir: Union[str, Path],
-        tag: Optional[str] = None,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[Optional[Path], Any]:
-        """Loads a checkpoint saved at any world size, stage or offload
-        setting (the tag in ``load_dir/latest`` by default). Returns (tag
-        directory, client_state), or (None, None) when there is no latest."""
-        self.lifetime.check_not_destroyed()
-        try:
-            self._finish_step()
-        except Exception:  # noqa: BLE001 - the engine is broken (self.lifetime) until a full load below
-            pass
-        loaded = checkpoint.load_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
-        )
-        if loaded[0] is not None and not load_module_only and load_optimizer_states:
-            self.lifetime.recover()  # every state was replaced
-            if self.optimizer is not None:
-                self.optimizer.forget_failed_step()
-        return loaded
-
+    # Checkpoints (zcore.checkpoint; save_checkpoint and load_checkpoint: zcore.engine.deepspeed_names).
     def restore_counters(self, counters: checkpoint.schema.Counters) -> None:
         """The step counters of a loaded checkpoint, from its validated record."""
         self.global_steps = counters.global_steps

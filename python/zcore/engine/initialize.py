@@ -3,7 +3,9 @@
 Reads as the sequence of steps it performs: check the arguments, decode the
 config, join the process group, find the ranks it shards over, then
 assemble a training or an inference engine from its parts
-(zcore.engine.assemble).
+(zcore.engine.assemble). It takes deepspeed.initialize's arguments too:
+``args`` (its command-line namespace), ``config_params`` and
+``dist_init_required``, checked beside it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from zcore.comm import collectives as comm
@@ -41,7 +44,7 @@ _WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 def initialize(
     model: torch.nn.Module,
-    config: Union[Config, dict, str, Path],
+    config: Union[Config, dict, str, Path, None] = None,
     optimizer: OptimizerArg = None,
     model_parameters: Optional[Iterable] = None,
     training_data: Optional[torch.utils.data.Dataset] = None,
@@ -50,6 +53,10 @@ def initialize(
     meta_init: Optional[MetaInit] = None,
     device_mesh: Optional[DeviceMesh] = None,
     tied_parameters: Optional[dict[str, torch.nn.Parameter]] = None,
+    *,
+    args: Any = None,
+    config_params: Union[Config, dict, str, Path, None] = None,
+    dist_init_required: Optional[bool] = None,
 ) -> tuple[Engine, Optional[ShardedOptimizer], Optional[torch.utils.data.DataLoader], Any]:
     """Wraps ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -74,14 +81,24 @@ def initialize(
     for forward passes and generation only (ZeRO-Inference): parameters are
     placed, sharded and offloaded as for training, the optimizer returned is
     None, and backward, step and save_checkpoint are refused.
+
+    deepspeed.initialize's own arguments: ``args``, its command-line
+    namespace, whose ``deepspeed_config`` (a path) is the config when
+    ``config`` is not given, whose ``local_rank`` (the DeepSpeed launcher's
+    ``--local_rank``; -1 or None: unset) and ``device_rank`` must name this
+    rank's LOCAL_RANK and device, and whose ``local_rank`` is then set to
+    it, as DeepSpeed sets it; ``config_params``, DeepSpeed's older name of
+    ``config``; ``dist_init_required``: None or True joins the process
+    group or creates it, False requires one already initialized.
     """
-    _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init, tied_parameters)
+    _check_arguments(model, optimizer, model_parameters, collate_fn, meta_init, tied_parameters, dist_init_required)
     _refuse_wrapped(model)
-    cfg = load_config(config)
+    cfg = load_config(_config_source(config, config_params, args))
     trains = optimizer is not None or cfg.optimizer is not None
     if not trains:
         _check_inference(cfg, model_parameters, lr_scheduler, tied_parameters)
-    context = comm.init_distributed()
+    context = _join_process_group(dist_init_required)
+    _take_launch_arguments(args, context)
     precision = precision_from_config(cfg)
     if precision.compute_dtype != torch.float32 and not precision.cast_buffers:
         _check_norm_statistics(model, precision.compute_dtype)  # before the model is changed
@@ -97,6 +114,67 @@ def initialize(
         engine, sharded, scheduler = assemble.inference_engine(parts), None, None
     _WRAPPED.add(model)
     return engine, sharded, assemble.data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), scheduler
+
+
+def _config_source(config: Any, config_params: Any, args: Any) -> Any:
+    """The config as deepspeed.initialize finds it: ``config``, its older
+    name ``config_params``, or the path ``args.deepspeed_config``; given
+    more than one way, refused (DeepSpeed refuses a config in both ``args``
+    and ``config``)."""
+    given = [
+        (name, value) for name, value in (
+            ("config", config),
+            ("config_params", config_params),
+            ("args.deepspeed_config", getattr(args, "deepspeed_config", None)),
+        ) if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(
+            f"zcore.initialize got a config both as {given[0][0]} and as {given[1][0]}: give it one way"
+        )
+    if not given:
+        raise ConfigError(
+            "zcore.initialize needs a config: pass config= (a dict, a zcore.config.Config or a JSON file's "
+            "path), or args whose deepspeed_config is the JSON file's path, as deepspeed.initialize takes"
+        )
+    return given[0][1]
+
+
+def _join_process_group(dist_init_required: Optional[bool]) -> comm.DistributedContext:
+    """As deepspeed.initialize: None or True joins the process group (or
+    creates one), False requires one initialized already."""
+    if dist_init_required is False and not dist.is_initialized():
+        raise InvalidStateError(
+            "zcore.initialize(dist_init_required=False) needs a process group initialized already "
+            "(torch.distributed.init_process_group), as deepspeed.initialize does; pass None to let zcore "
+            "join the launcher's group or create a group of one"
+        )
+    return comm.init_distributed()
+
+
+def _take_launch_arguments(args: Any, context: comm.DistributedContext) -> None:
+    """``args.local_rank`` and ``args.device_rank`` (Lightning's) must agree
+    with the LOCAL_RANK zcore takes its device from; then, as DeepSpeed
+    does, ``args.local_rank`` is set to it for scripts that read it after."""
+    if args is None:
+        return
+    local_rank = getattr(args, "local_rank", None)
+    if local_rank is not None and local_rank != -1 and local_rank != context.local_rank:
+        raise InvalidArgumentError(
+            f"args.local_rank is {local_rank!r}, but this process's LOCAL_RANK is {context.local_rank} (0 "
+            "without a launcher), which zcore takes its device from; launch with torchrun or the deepspeed "
+            "launcher (both set LOCAL_RANK), or leave args.local_rank at -1",
+            argument="args.local_rank",
+        )
+    device_rank = getattr(args, "device_rank", None)
+    if device_rank is not None and context.device.type == "cuda" and device_rank != context.device.index:
+        raise InvalidArgumentError(
+            f"args.device_rank is {device_rank!r}, but zcore computes on {context.device} (LOCAL_RANK's GPU); "
+            "launch so that each rank's LOCAL_RANK is its GPU's index",
+            argument="args.device_rank",
+        )
+    if hasattr(args, "local_rank"):
+        args.local_rank = context.local_rank
 
 
 def _model_parallel(
@@ -133,6 +211,8 @@ def _check_inference(
 ) -> None:
     """No optimizer, passed or configured: an engine for forward passes and
     generation only (ZeRO-Inference). What only training uses is refused."""
+    if isinstance(model_parameters, (list, tuple)) and not model_parameters:
+        model_parameters = None  # nothing to train: Lightning passes [] for inference
     given = [
         name for name, value in (
             ("model_parameters", model_parameters),
@@ -156,7 +236,8 @@ def _check_inference(
 
 
 def _check_arguments(
-    model: Any, optimizer: Any, model_parameters: Any, collate_fn: Any, meta_init: Any, tied_parameters: Any
+    model: Any, optimizer: Any, model_parameters: Any, collate_fn: Any, meta_init: Any, tied_parameters: Any,
+    dist_init_required: Any,
 ) -> None:
     """Refuses an argument of the wrong kind by name before anything is set
     up; otherwise it fails later, deep inside, as an AttributeError or a
@@ -188,6 +269,12 @@ def _check_arguments(
                 and all(isinstance(k, str) and isinstance(v, torch.nn.Parameter) for k, v in tied_parameters.items())
             ),
             "None or a dict of str keys to torch.nn.Parameter (each stage's copy of a tied weight)",
+        ),
+        (
+            "dist_init_required",
+            dist_init_required,
+            dist_init_required is None or isinstance(dist_init_required, bool),
+            "None, True or False",
         ),
     )
     for name, value, ok, expected in checks:

@@ -19,10 +19,49 @@ from zcore.observe.memory_report import MemoryReport
 from zcore.observe.monitors import close_all
 from zcore.observe.step_metrics import Phase, StepMetrics, StepRecord
 
-log = logging.getLogger("zcore")
-# The per-step breakdown (wall_clock_breakdown): its own logger, so that a
-# user's logging can route or silence it apart from zcore's other messages.
+# Per-step lines (the progress line every steps_per_print steps, and
+# wall_clock_breakdown's time split): their own logger, so that a user's
+# logging can route or silence them apart from zcore's other messages.
 step_log = logging.getLogger("zcore.steps")
+
+
+class _StderrUnlessHandled(logging.Handler):
+    """Prints the step lines to stderr (as ``[zcore] ...``) where nothing
+    else would handle them: once the user's logging has a handler on the
+    way (``zcore.steps``, ``zcore`` or the root logger), the line is theirs
+    alone, also when they configure logging after zcore.initialize."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("[zcore] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _other_handler(self):
+            return
+        try:
+            # sys.stderr now, not at construction: it may have been replaced since.
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # logging's contract: a handler reports its own failure, never raises
+            self.handleError(record)
+
+
+def _other_handler(own: logging.Handler) -> bool:
+    logger: Optional[logging.Logger] = step_log
+    while logger is not None:
+        if any(handler is not own for handler in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def _print_step_lines() -> None:
+    """Step lines print by default (see _StderrUnlessHandled), at INFO
+    unless the user set the logger's level."""
+    if not any(isinstance(h, _StderrUnlessHandled) for h in step_log.handlers):
+        step_log.addHandler(_StderrUnlessHandled())
+    if step_log.level == logging.NOTSET:
+        step_log.setLevel(logging.INFO)
 
 
 @dataclass(frozen=True)
@@ -65,11 +104,8 @@ class StepObservation:
         self.flops_profiler = flops_profiler
         self.flops_report: Optional[FlopsReport] = None
         self.log = step_log_policy
-        if metrics is not None and step_log_policy.wall_clock_breakdown and not step_log.hasHandlers():
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("[zcore] %(message)s"))
-            step_log.addHandler(handler)
-            step_log.setLevel(logging.INFO)
+        if step_log_policy.rank == 0:
+            _print_step_lines()
 
     @property
     def records_steps(self) -> bool:
@@ -110,11 +146,9 @@ class StepObservation:
         seconds: float,
         profiled: bool,
         memory: Callable[[], MemoryReport],
-        lrs: Callable[[], list[float]],
     ) -> None:
         """An optimizer step ended after ``seconds``; ``memory()`` measures
-        what is held now, ``lrs()`` gives each group's learning rate now
-        (each called only where it is reported)."""
+        what is held now (called only where it is recorded)."""
         if self.metrics is not None:
             record = self.metrics.end_step(
                 global_step=figures.global_step,
@@ -135,11 +169,17 @@ class StepObservation:
         if profiled:
             assert self.flops_profiler is not None
             self.flops_report = self.flops_profiler.stop(step_seconds=seconds)
-        if self.log.due(figures.global_step):
-            log.info(
-                "step %d: lr %s, loss scale %g, skipped %d",
-                figures.global_step, lrs(), figures.loss_scale, figures.skipped_steps,
-            )
+
+    def report_progress(
+        self, global_step: int, skipped_steps: int, lr: Callable[[], list], mom: Callable[[], list]
+    ) -> None:
+        """DeepSpeed's progress line (its engine's _report_progress), on
+        rank 0 every steps_per_print steps, skipped steps counted: called
+        once a step is counted and the learning-rate schedule has moved, so
+        ``lr()`` is the next step's, as DeepSpeed prints it. ``lr()`` and
+        ``mom()`` (the engine's get_lr and get_mom) are called only then."""
+        if self.log.due(global_step):
+            step_log.info("step=%d, skipped=%d, lr=%s, mom=%s", global_step, skipped_steps, lr(), mom())
 
     def close(self) -> None:
         if self.flops_profiler is not None:

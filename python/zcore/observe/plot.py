@@ -182,22 +182,34 @@ def write_plots(run_dir: str | Path, output_dir: str | Path | None = None,
     that could not be read."""
     run_dir = Path(run_dir)
     run = read_run(find_job_dir(run_dir))
-    figure_class = _matplotlib_figure()
+    pictures = draw_pictures(run)
     out = Path(output_dir) if output_dir is not None else run_dir
     out.mkdir(parents=True, exist_ok=True)
     for key, series in run.metrics.items():
         if series.unreadable_rows:
             note(f"zcore plot: skipped {series.unreadable_rows} unreadable row(s) in {file_name(key)}")
     written = []
-    for name, draw, inputs in _PICTURES:
-        figure = figure_class(figsize=(12, 8), dpi=110, layout="constrained")
-        if not draw(figure, run):
+    for name, _, inputs in _PICTURES:
+        if name not in pictures:
             note(f"zcore plot: {name} not written: the run has none of {inputs}")
             continue
         path = out / name
-        figure.savefig(path)
+        pictures[name].savefig(path)
         written.append(path)
     return written
+
+
+def draw_pictures(run: Run) -> dict[str, Any]:
+    """The pictures ``write_plots`` writes, by file name, as matplotlib
+    Figures (each of its panels an Axes in ``figure.axes``); a picture
+    none of whose metrics the run recorded is left out."""
+    figure_class = _matplotlib_figure()
+    pictures = {}
+    for name, draw, _ in _PICTURES:
+        figure = figure_class(figsize=(12, 8), dpi=110, layout="constrained")
+        if draw(figure, run):
+            pictures[name] = figure
+    return pictures
 
 
 def _matplotlib_figure() -> type:
@@ -211,11 +223,16 @@ def _matplotlib_figure() -> type:
 
 
 # Drawing. Each picture function fills a Figure and returns False when the
-# run has none of its metrics.
+# run has none of its metrics. A panel is drawn only where it says
+# something: no loss-scale panel for a constant scale (bf16 or fp32 record
+# 1.0 each step; a static fp16 scale never moves), no memory tier holding
+# no bytes (NVMe without NVMe offload).
 
 
 def _loss_lr(figure: Any, run: Run) -> bool:
     present = [k for k in LOSS_KEYS if run.get(_TRAIN + k)]
+    if "loss_scale" in present and not _varies(run.get(_TRAIN + "loss_scale")):
+        present.remove("loss_scale")
     if not present:
         return False
     _title(figure, run, "Loss and learning rate")
@@ -290,7 +307,7 @@ def _memory(figure: Any, run: Run) -> bool:
     tiers = []
     for tier, title in TIERS:
         held = [(run.get(f"Memory/{tier}/{c}"), i, label) for i, (c, label) in enumerate(CATEGORIES)
-                if run.get(f"Memory/{tier}/{c}")]
+                if _holds_bytes(run.get(f"Memory/{tier}/{c}"))]
         rss = run.get(RSS) if tier == "host" else None
         if held or rss:
             tiers.append((title, held, rss))
@@ -366,6 +383,16 @@ def _finish(axes: list[Any], run: Run, legend_title: str | None = None) -> None:
     axes[0].set_xlim(left=0)
 
 
+def _varies(series: Series) -> bool:
+    """Whether the series takes more than one (finite) value."""
+    finite = {v for v in series.values if math.isfinite(v)}
+    return len(finite) > 1
+
+
+def _holds_bytes(series: Series | None) -> bool:
+    return series is not None and any(math.isfinite(v) and v > 0 for v in series.values)
+
+
 def _from_zero(ax: Any) -> None:
     """A y axis from 0 with room above the highest point, which would
     otherwise sit on the frame."""
@@ -381,10 +408,23 @@ def _short(series: Series) -> dict[str, Any]:
     return {"marker": "o", "markersize": 4} if len(series.samples) < 30 else {}
 
 
+# Fewer points than this get no moving average: a line through them says it all.
+_MIN_SMOOTHED = 5
+
+
+def _moving_average_window(points: int) -> int:
+    """The moving average's window for a series of ``points`` steps, sized
+    to the run: an odd number of steps, about a 20th of the run, from 3
+    up to 501 (0: too few points to average)."""
+    if points < _MIN_SMOOTHED:
+        return 0
+    return 2 * max(1, min(250, points // 40)) + 1
+
+
 def _noisy_line(ax: Any, series: Series, name: str, color: str,
                 summary: Callable[[float], str] | None = None) -> None:
-    """The raw values faintly, and a moving average over them on top once
-    there are enough points for one to help."""
+    """The raw values faintly, and on top their moving average from the
+    first step, its window named in the legend."""
     import numpy as np
 
     y = np.asarray(series.values, dtype=float)
@@ -392,27 +432,29 @@ def _noisy_line(ax: Any, series: Series, name: str, color: str,
     label = f"{name}, each step"
     if summary is not None and finite.size:
         label += f" ({summary(float(np.median(finite)))})"
-    window = min(500, len(y) // 20)
-    smooth = window >= 3
+    window = _moving_average_window(len(y))
     ax.plot(series.samples, np.where(np.isfinite(y), y, np.nan), color=color, linewidth=0.8,
-            alpha=0.35 if smooth else 1.0, label=label, **_short(series))
-    if smooth:
+            alpha=0.35 if window else 1.0, label=label, **_short(series))
+    if window:
         ax.plot(series.samples, _moving_average(y, window), color=color, linewidth=2.0,
-                label=f"{name}, moving average of {window} steps")
+                label=f"{name}, moving average of {window} steps\n(centred; fewer near the ends)")
 
 
 def _moving_average(y: Any, window: int) -> Any:
-    """Mean of the ``window`` points centred on each (fewer at the ends), so
-    that it does not lag the data; NaN and infinity (an overflowed step's
-    gradient norm) are left out."""
+    """Mean of the ``window`` points centred on each, so that it does not
+    lag the data. Near the ends the window narrows to stay centred (the
+    first and last points are their own average; it grows by two per step
+    to ``window``), so a falling loss is not dragged down by later steps at
+    the start. NaN and infinity (an overflowed step's gradient norm) are
+    left out."""
     import numpy as np
 
     finite = np.isfinite(y)
     sums = np.concatenate(([0.0], np.cumsum(np.where(finite, y, 0.0))))
     counts = np.concatenate(([0], np.cumsum(finite)))
     index = np.arange(len(y))
-    start = np.maximum(0, index - window // 2)
-    end = np.minimum(len(y), index - window // 2 + window)
+    half = np.minimum(np.minimum(index, len(y) - 1 - index), window // 2)
+    start, end = index - half, index + half + 1
     n = counts[end] - counts[start]
     return np.where(n > 0, (sums[end] - sums[start]) / np.maximum(n, 1), np.nan)
 
