@@ -1,15 +1,73 @@
-"""Shared fixtures: filesystems made by the tests (they need root and mount;
-elsewhere the tests that use them skip with the reason)."""
+"""Shared fixtures: the device the engine tests run on, and filesystems
+made by the tests (they need root and mount; elsewhere the tests that use
+them skip with the reason).
+
+The device switch: ZCORE_TEST_DEVICE, read once here, is ``cpu`` (the
+default) or ``cuda``. Tests marked ``device`` run their engines on it and
+take it from the ``device`` fixture (a string, passed on to the ranks; the
+rank side is tests/python/devices.py); with ``cuda`` where no GPU, NCCL or
+zcore CUDA build can be used, they skip with the reason. The GPU check runs
+``ZCORE_TEST_DEVICE=cuda pytest -m "device or cuda"`` (``cuda``: the kernel
+tests, which need a GPU whatever the switch says)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
+
+DEVICES = ("cpu", "cuda")
+TEST_DEVICE = os.environ.get("ZCORE_TEST_DEVICE", "").strip().lower() or "cpu"
+
+
+@functools.cache
+def unusable_reason(device: str) -> Optional[str]:
+    """Why the engine tests cannot run on ``device`` here; None when they can.
+    Asked only when a test marked ``device`` is about to run."""
+    if device == "cpu":
+        return None
+    import torch
+    import torch.distributed as dist
+
+    import zcore
+
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no usable CUDA GPU (torch.cuda.is_available() is False)"
+    if not dist.is_nccl_available():
+        return f"torch {torch.__version__} was built without NCCL"
+    if not zcore.cuda_available():
+        return f"zcore cannot use CUDA: {zcore.cuda_unavailable_reason()}"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_DEVICE not in DEVICES:
+        raise pytest.UsageError(f"ZCORE_TEST_DEVICE={TEST_DEVICE!r}: expected one of {', '.join(DEVICES)}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"ZCORE_TEST_DEVICE: {TEST_DEVICE} (tests marked device run there)"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("device") is not None:
+        reason = unusable_reason(TEST_DEVICE)
+        if reason is not None:
+            pytest.skip(f"ZCORE_TEST_DEVICE={TEST_DEVICE}: {reason}")
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the test's engines run: ZCORE_TEST_DEVICE for a test marked
+    ``device``, the CPU for the others (a parametrized test marks only the
+    cases that can run on one GPU: world 1)."""
+    return TEST_DEVICE if request.node.get_closest_marker("device") is not None else "cpu"
 
 
 def _mounted(fstype: str, target: Path, options: str) -> Iterator[Path]:

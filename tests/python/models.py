@@ -17,6 +17,13 @@ def TinyGPT(**options) -> nn.Module:
     return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, **options))
 
 
+def wide_mlp() -> nn.Module:
+    """153k parameters, each tensor under 1 MiB: large enough that each
+    memory category is many allocator blocks of 512 bytes (the memory tests)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10))
+
+
 class FrozenMLP(nn.Module):
     """An MLP whose first layer is frozen."""
 

@@ -1,5 +1,8 @@
 """The CUDA multi-tensor Adam and unscale/overflow/norm kernels: the same
-results as the CPU kernels (bit for bit for the step), and close to torch's
+results as the CPU kernels (bit for bit for the step, in fp32 and with a
+bf16/fp16 copy-out, for Adam with L2 decay and AdamW, either of torch's
+lerp formulas and maximize; the sums of squares, which the two add in
+another order, within 1e-9 relative), and close to torch's
 AdamW(fused=True). Skipped with a reason where no GPU can be used."""
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ needs_gpu = pytest.mark.skipif(
     not zcore.cuda_available(), reason=f"no usable CUDA GPU: {zcore.cuda_unavailable_reason()}"
 )
 ADAMW = zo.AdamConfig(lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True)
+CONFIGS = {
+    "adamw": ADAMW,
+    "adam with l2 decay": zo.AdamConfig(lr=1e-2, weight_decay=0.05),
+    "maximize": zo.AdamConfig(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, maximize=True),
+    "the other lerp formula": zo.AdamConfig(lr=1e-3, betas=(0.3, 0.9), weight_decay=0.01, decoupled_weight_decay=True),
+}
 SIZES = [1, 7, 4099, (1 << 20) + 3, 65536, 3]
 
 
@@ -37,22 +46,30 @@ def test_cuda_entry_points_raise_cuda_unavailable_without_a_gpu() -> None:
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_multi_tensor_step_equals_the_cpu_kernel_bit_for_bit(grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+def test_multi_tensor_step_equals_the_cpu_kernel_bit_for_bit(
+    grad_dtype: torch.dtype, out_dtype: torch.dtype | None, config: zo.AdamConfig
+) -> None:
+    """``out_dtype`` None: fp32 only, no copy-out."""
     params, exp_avgs, exp_avg_sqs = random_state(SIZES)
     grads = [torch.randn(n).to(grad_dtype) for n in SIZES]
-    outs = [torch.empty(n, dtype=out_dtype) for n in SIZES]
-    dev = [[t.cuda() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs, outs)]
+    outs = None if out_dtype is None else [torch.empty(n, dtype=out_dtype) for n in SIZES]
+    dev = [[t.cuda() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+    dev_outs = None if outs is None else [t.cuda() for t in outs]
     for step in (1, 2, 3):
-        zo.adam_step(ADAMW, step, params, grads, exp_avgs, exp_avg_sqs, params_out=outs, grad_scale=0.5)
-        zo.adam_step(ADAMW, step, *dev[:4], params_out=dev[4], grad_scale=0.5)
+        zo.adam_step(config, step, params, grads, exp_avgs, exp_avg_sqs, params_out=outs, grad_scale=0.5)
+        zo.adam_step(config, step, *dev, params_out=dev_outs, grad_scale=0.5)
     torch.cuda.synchronize()
-    for cpu, gpu in zip((params, exp_avgs, exp_avg_sqs, outs), (dev[0], dev[2], dev[3], dev[4])):
+    pairs = [(params, dev[0]), (exp_avgs, dev[2]), (exp_avg_sqs, dev[3])]
+    if outs is not None:
+        pairs.append((outs, dev_outs))
+        for p, out in zip(dev[0], dev_outs):
+            assert torch.equal(out, p.to(out_dtype))
+    for cpu, gpu in pairs:
         for a, b in zip(cpu, gpu):
             assert torch.equal(a, b.cpu())
-    for p, out in zip(dev[0], dev[4]):
-        assert torch.equal(out, p.to(out_dtype))
 
 
 @pytest.mark.cuda
@@ -86,6 +103,10 @@ def test_unscale_and_check_on_the_gpu_matches_float64_and_finds_inf() -> None:
     expected = [float(((g.double() * 0.25) ** 2).sum()) for g in grads]
     assert not check.nonfinite
     assert check.buffer_sum_sq == pytest.approx(expected, rel=1e-6)
+    # The CPU kernel squares the same fp32 products and adds them in double, in another order.
+    on_cpu = zo.unscale_and_check([g.cpu() for g in grads], 0.25, write_back=False)
+    assert check.buffer_sum_sq == pytest.approx(on_cpu.buffer_sum_sq, rel=1e-9)
+    assert check.sum_sq == pytest.approx(on_cpu.sum_sq, rel=1e-9)
     for k, g in enumerate(grads):
         for index in (0, g.numel() - 1):
             saved = g[index].clone()

@@ -5,16 +5,11 @@ the policy puts it on (device, host, NVMe), as the theory says."""
 
 import pytest
 import torch
-from torch import nn
 
 import zcore
 from distributed import run_ranks
+from models import wide_mlp
 from training import zcore_config
-
-
-def wide_mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10))
 
 
 def train_and_report(rank, world, stage):

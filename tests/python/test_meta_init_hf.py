@@ -3,8 +3,10 @@ the initial weights of an eager construction, in distribution: the inits a
 parent applies to its children (GPT-2's scaled residual projections, T5's
 per-projection stds), HF's ``_init_weights`` by default, meta buffers (Llama's
 rotary frequencies), rank 0's values on every rank whatever the init draws,
-and a meta buffer that nothing sets refused. Tiny configs built here, no
-downloads; references are the same models built eagerly in this process."""
+and a meta buffer that nothing sets refused; models built so generate as
+the eager model with their weights does. Tiny configs built here, no
+downloads; references are the same models built eagerly in this process.
+The cases at world 1 run on ZCORE_TEST_DEVICE (NCCL on a GPU)."""
 
 import math
 
@@ -13,6 +15,7 @@ import torch
 import transformers
 from torch import nn
 
+import devices
 import zcore
 from distributed import run_ranks
 from zcore.errors import ConfigError
@@ -65,12 +68,14 @@ def llama():
 MODELS = {"gpt2": gpt2, "t5": t5, "llama": llama}
 
 
-def built_on_meta(rank, world, name, explicit):
+def built_on_meta(rank, world, name, explicit, device="cpu"):
+    devices.init_process_group(device)
     with torch.device("meta"):
         model = MODELS[name]()
     # Explicit: the root's _init_weights on every module, as a user would pass it.
     meta_init = zcore.MetaInit(init_fn=model._init_weights if explicit else None, seed=3)
     engine, *_ = zcore.initialize(model=model, config=stage3_config(world), meta_init=meta_init)
+    devices.assert_on(engine, device)
     values = engine.full_state_dict()  # a collective: every rank calls it
     buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
     return values, buffers
@@ -92,8 +97,8 @@ def assert_like(got, want, name):
     assert gap < SIGMAS * eager_std * math.sqrt(2 / n), f"{name}: means {got.mean():.4g}, eager {want.mean():.4g}"
 
 
-def check_against_eager(name, world, explicit=False):
-    results = run_ranks(built_on_meta, world, name, explicit, timeout=TIMEOUT)
+def check_against_eager(name, world, explicit=False, device="cpu"):
+    results = run_ranks(built_on_meta, world, name, explicit, device, launcher=world > 1, timeout=TIMEOUT)
     torch.manual_seed(0)
     eager = MODELS[name]()
     values = results[0][0]
@@ -108,9 +113,9 @@ def check_against_eager(name, world, explicit=False):
     return values, eager
 
 
-@pytest.mark.parametrize("world, explicit", [(2, False), (1, True)])
-def test_gpt2_residual_projections_are_scaled_by_depth(world, explicit):
-    values, eager = check_against_eager("gpt2", world, explicit)
+@pytest.mark.parametrize("world, explicit", [(2, False), pytest.param(1, True, marks=pytest.mark.device)])
+def test_gpt2_residual_projections_are_scaled_by_depth(world, explicit, device):
+    values, eager = check_against_eager("gpt2", world, explicit, device)
     scaled = 0.02 / math.sqrt(2 * eager.config.n_layer)
     for layer in range(eager.config.n_layer):
         for proj in ("attn.c_proj", "mlp.c_proj"):
@@ -138,6 +143,36 @@ def test_llama_builds_on_meta_with_its_rotary_buffers():
     values, eager = check_against_eager("llama", 2)
     # The padding row, zeroed by _init_weights(nn.Embedding) after the normal draw.
     assert torch.equal(values["model.embed_tokens.weight"][0], torch.zeros(eager.config.hidden_size))
+
+
+PROMPT = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+def generated_after_meta_init(rank, world, name, device):
+    """Greedy tokens of the model built on the meta device and sharded,
+    and of the eager model given its weights (its buffers its own), both
+    on ``device``."""
+    on = devices.init_process_group(device)
+    with torch.device("meta"):
+        model = MODELS[name]()
+    engine, *_ = zcore.initialize(model=model, config=stage3_config(world), meta_init=zcore.MetaInit(seed=3))
+    devices.assert_on(engine, device)
+    engine.eval()
+    prompt = torch.tensor(PROMPT, device=on)
+    settings = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    got = engine.module.generate(prompt, **settings)
+    eager = MODELS[name]().eval()
+    eager.load_state_dict(engine.full_state_dict())
+    expected = eager.to(on).generate(prompt, **settings)
+    return got.tolist(), expected.tolist()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_model_built_on_meta_generates_as_the_eager_model_with_its_weights(name, device):
+    got, expected = run_ranks(generated_after_meta_init, 1, name, device, launcher=False, timeout=TIMEOUT)[0]
+    assert [len(row) for row in got] == [len(PROMPT[0]) + 6] * len(PROMPT)
+    assert got == expected
 
 
 class TwoLayers(nn.Module):

@@ -11,6 +11,8 @@ that start at zero (LayerNorm biases) a few flips are a large share of the
 norm: measured over 20 steps, up to 4.4 ulps per tensor (1.7e-2 bf16, 2.3e-3
 fp16); parameters must agree within 8 ulps. The loss averages over all
 weights: measured 5.5e-5 (bf16) and 5.3e-6 (fp16), bounded with ~4x margin.
+World 1 runs on ZCORE_TEST_DEVICE (NCCL on a GPU), against the reference
+run there.
 """
 
 import math
@@ -18,6 +20,7 @@ import math
 import pytest
 import torch
 
+import devices
 import zcore
 from distributed import run_ranks
 from models import global_batch, loss_of, make_model
@@ -28,8 +31,10 @@ STEPS = 20
 LOSS_TOLERANCE = {"bf16": 2e-4, "fp16": 2e-5}
 PARAM_TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 # (model, accumulation steps, clipping, CPU offload: the fused kernel writes
-# the bf16/fp16 parameters in the same pass)
+# the bf16/fp16 parameters in the same pass), by world size: world 1 (on
+# the device) without the MLP, which adds nothing there.
 VARIANTS = [("gpt", 2, 0.05, False), ("gpt", 2, 0.05, True), ("mlp", 1, 0.0, False)]
+VARIANTS_AT = {1: VARIANTS[:2], 2: VARIANTS}
 
 
 def precision_config(stage, gas, clip, precision, offload):
@@ -38,25 +43,30 @@ def precision_config(stage, gas, clip, precision, offload):
     return zcore_config(stage, gas, clip, precision, offload, zero=zero)
 
 
-def run_precisions(rank, world):
+def run_precisions(rank, world, device):
+    devices.init_process_group(device)
     return {
         (precision, model, gas, clip, offload, stage): train_zcore(
             rank, world, model, precision_config(stage, gas, clip, precision, offload), STEPS
         )
         for precision in ("bf16", "fp16")
         for stage in (0, 1, 2, 3)
-        for model, gas, clip, offload in VARIANTS
+        for model, gas, clip, offload in VARIANTS_AT[world]
     }
 
 
-def test_bf16_and_fp16_match_the_mixed_precision_reference():
-    world = 2
-    results = run_ranks(run_precisions, world, timeout=600)
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.device), 2])
+def test_bf16_and_fp16_match_the_mixed_precision_reference(world, device):
+    results = run_ranks(run_precisions, world, device, launcher=world > 1, timeout=600)
+    references = {}
     for (precision, model, gas, clip, offload, stage), got in results[0].items():
-        label = f"{precision} {model} stage {stage} gas {gas} clip {clip} offload {offload}"
+        label = f"{precision} {model} stage {stage} gas {gas} clip {clip} offload {offload} world {world} on {device}"
+        assert got["device"] == (device, devices.BACKENDS[device]), label
         assert got["skipped_steps"] == 0, label
-        ref = train_reference(model, clip, STEPS, world, gas, precision)
-        assert_matches(got, ref, LOSS_TOLERANCE[precision], label, PARAM_TOLERANCE[precision])
+        key = (precision, model, gas, clip)
+        if key not in references:
+            references[key] = train_reference(model, clip, STEPS, world, gas, precision, device=device)
+        assert_matches(got, references[key], LOSS_TOLERANCE[precision], label, PARAM_TOLERANCE[precision])
 
 
 def full_params(engine):
@@ -64,16 +74,19 @@ def full_params(engine):
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def train_with_injected_inf(rank, world, stage, bad_step, bad_rank):
+def train_with_injected_inf(rank, world, stage, bad_step, bad_rank, device):
+    devices.init_process_group(device)
     config = precision_config(stage, 1, 0.0, "fp16", False)
     config["fp16"].update(hysteresis=1)
     engine, _, _, _ = zcore.initialize(model=make_model("mlp"), config=config)
+    devices.assert_on(engine, device)
     micro = engine.train_micro_batch_size_per_gpu()
+    on = engine.context.device
     record = []
     for step in range(4):
-        x, y = global_batch("mlp", step, 8)
+        x, y = global_batch("mlp", step, world * micro)
         part = slice(rank * micro, (rank + 1) * micro)
-        loss = loss_of("mlp", engine(x[part].half()), y[part])
+        loss = loss_of("mlp", engine(x[part].half().to(on)), y[part].to(on))
         if step == bad_step and rank == bad_rank:
             loss = loss * math.inf  # every gradient on this rank becomes inf or nan
         before = full_params(engine)
@@ -86,10 +99,12 @@ def train_with_injected_inf(rank, world, stage, bad_step, bad_rank):
     return {"record": record, "skipped": engine.skipped_steps, "steps": engine.global_steps}
 
 
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.device), 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage):
+def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage, world, device):
     bad_step = 2
-    results = run_ranks(train_with_injected_inf, 2, stage, bad_step, 1, timeout=300)
+    results = run_ranks(train_with_injected_inf, world, stage, bad_step, world - 1, device,
+                        launcher=world > 1, timeout=300)
     for rank, result in enumerate(results):
         assert result["skipped"] == 1 and result["steps"] == 4, f"rank {rank}"
         for step, r in enumerate(result["record"]):

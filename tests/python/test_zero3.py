@@ -6,10 +6,12 @@ on some steps and a parameter used outside its module, and on a model with
 a module whose only parameter has no elements; with prefetch on and
 off, a live budget that forces releases, accumulation and clipping, and CPU
 optimizer offload. The forced-release variant also checks that gathered
-memory stays within persistent + live budget + prefetch bucket."""
+memory stays within persistent + live budget + prefetch bucket. World 1
+runs on ZCORE_TEST_DEVICE (NCCL on a GPU), against torch's AdamW there."""
 
 import pytest
 
+import devices
 from distributed import run_ranks
 from training import BUCKET, LIVE, ON_DEMAND, TIGHT, assert_variants_match, train_zcore, zcore_config
 
@@ -38,7 +40,8 @@ def param_tolerance(world: int) -> float:
     return 3e-5 if world == 3 else TOLERANCE
 
 
-def run_variants(rank, world):
+def run_variants(rank, world, device):
+    devices.init_process_group(device)
     out = {}
     for label, model, gas, clip, offload, keys in VARIANTS:
         config = zcore_config(3, gas, clip, offload=offload, zero=keys, train_batch_size=BATCH)
@@ -46,10 +49,10 @@ def run_variants(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_stage3_matches_single_process(world):
-    results = run_ranks(run_variants, world, launcher=world > 1, timeout=600)
-    assert_variants_match(results, VARIANTS, world, STEPS, BATCH, TOLERANCE, param_tolerance(world))
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.device), 2, 3, 4])
+def test_stage3_matches_single_process(world, device):
+    results = run_ranks(run_variants, world, device, launcher=world > 1, timeout=600)
+    assert_variants_match(results, VARIANTS, world, STEPS, BATCH, TOLERANCE, param_tolerance(world), device)
     for rank_results in results:
         check_gather_stats(rank_results)
 

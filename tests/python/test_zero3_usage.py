@@ -2,7 +2,8 @@
 different lengths, GatheredParameters, an evaluation under
 torch.inference_mode() before training, construction on the meta device, the
 saved-tensor hooks that keep backward reading the right bytes, departures
-from the trace, and a forward that fails."""
+from the trace, and a forward that fails. Generation and GatheredParameters
+at world 1 run on ZCORE_TEST_DEVICE (NCCL on a GPU)."""
 
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import devices
 import zcore
 from distributed import run_ranks
 from log_capture import capture_zcore_log
@@ -53,38 +55,41 @@ def generate(forward, prompts, limits, seq_len, keep_going=lambda done: not done
     return [row[:n].tolist() for row, n in zip(tokens, lengths)]
 
 
-def generation_and_gathering(rank, world):
+def generation_and_gathering(rank, world, device):
+    on = devices.init_process_group(device)
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=stage3_config())
+    devices.assert_on(engine, device)
     engine.eval()
     seq_len = engine.module.cfg.seq_len
     mine = slice(2 * rank, 2 * rank + 2)
 
     def any_rank_busy(done_here):
-        busy = torch.tensor([0 if done_here else 1])
+        busy = torch.tensor([0 if done_here else 1], device=on)
         dist.all_reduce(busy)
         return bool(busy.item())
 
-    out = {"tokens": generate(engine, PROMPTS[mine], LIMITS[mine], seq_len, any_rank_busy)}
+    out = {"tokens": generate(engine, PROMPTS[mine].to(on), LIMITS[mine], seq_len, any_rank_busy)}
     stats = engine.gather_stats()
     out["leak"] = (stats.gathered_bytes, stats.persistent_bytes, engine.residency.coordinator.in_step)
 
     wpe = engine.module.wpe.weight
     out["sharded_shape"] = tuple(wpe.shape)
     with zcore.GatheredParameters([wpe]):
-        out["read"] = wpe.detach().clone()
+        out["read"] = wpe.detach().cpu().clone()
     with zcore.GatheredParameters([wpe], modifier_rank=0):
         wpe.data.fill_(float(rank + 1))  # only rank 0's value may survive
     with zcore.GatheredParameters(wpe):
-        out["modified"] = wpe.detach().clone()
+        out["modified"] = wpe.detach().cpu().clone()
     group = engine.residency.group_of_param[id(wpe)]
     unit = engine.optimizer.units.index(engine.residency.groups[group])
-    out["master"] = engine.optimizer.master.shards[unit].clone()
-    out["local_shard"] = engine.residency.groups[group].local_shard.clone()
+    out["master"] = engine.optimizer.master.shards[unit].cpu().clone()
+    out["local_shard"] = engine.residency.groups[group].local_shard.cpu().clone()
     return out
 
 
-def test_generation_and_gathered_parameters_on_two_ranks():
-    results = run_ranks(generation_and_gathering, 2, timeout=300)
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.device), 2])
+def test_generation_and_gathered_parameters(world, device):
+    results = run_ranks(generation_and_gathering, world, device, launcher=world > 1, timeout=300)
     model = make_model("gpt").eval()
     for rank, got in enumerate(results):
         mine = slice(2 * rank, 2 * rank + 2)
@@ -95,7 +100,7 @@ def test_generation_and_gathered_parameters_on_two_ranks():
         assert torch.equal(got["read"], model.wpe.weight.detach()), rank
         assert torch.equal(got["modified"], torch.ones_like(got["modified"])), rank
         assert torch.equal(got["master"], got["local_shard"]) and bool((got["master"] == 1).all())
-    assert len({len(t) for r in results for t in r["tokens"]}) > 2  # lengths differ
+    assert len({len(t) for r in results for t in r["tokens"]}) > world  # lengths differ
 
 
 def evaluate_then_train(rank, world, nvme):

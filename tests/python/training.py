@@ -5,7 +5,7 @@ A global batch of GLOBAL_BATCH rows (or the config's train_batch_size) is split 
 part q = m * world + r is rank r's micro-batch m. The reference computes the
 same parts in one process, accumulates their fp32 gradients and steps
 torch.optim.AdamW on fp32 master weights (in fp32 training the master is the
-model itself).
+model itself), on the device the engine ran on (tests/python/devices.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zcore
+from devices import BACKENDS
 from models import forward, global_batch, loss_of, make_model, takes_tokens
 
 GLOBAL_BATCH = 8
@@ -70,22 +71,25 @@ def rows(part: int, parts: int, batch: int = GLOBAL_BATCH) -> slice:
 def train_zcore(
     rank: int, world: int, model_name: str, config: dict, steps: int, inspect: Optional[Callable] = None
 ) -> dict:
-    """Trains on this rank's parts of each global batch; returns the mean loss
-    per step (over ranks and micro-steps), the final parameters in fp32, the
-    engine's memory report and what ``inspect(engine)`` returns; then
-    destroys the engine (its swap files)."""
+    """Trains on this rank's parts of each global batch, on the engine's
+    device; returns the mean loss per step (over ranks and micro-steps), the
+    final parameters in fp32 on the CPU, the engine's device and memory
+    report and what ``inspect(engine)`` returns; then destroys the engine
+    (its swap files)."""
     engine, _, _, _ = zcore.initialize(model=make_model(model_name), config=config)
     gas = engine.gradient_accumulation_steps()
     batch = engine.train_batch_size()
     dtype = engine.optimizer.precision.compute_dtype
+    device = engine.context.device
     losses = []
     for step in range(steps):
         x, y = global_batch(model_name, step, batch)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for m in range(gas):
             part = rows(m * world + rank, world * gas, batch)
             xs = x[part] if takes_tokens(model_name) else x[part].to(dtype)
-            loss = loss_of(model_name, forward(model_name, engine, xs, step, rank), y[part])
+            out = forward(model_name, engine, xs.to(device), step, rank)
+            loss = loss_of(model_name, out, y[part].to(device))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -93,13 +97,14 @@ def train_zcore(
         losses.append(total.item() / (world * gas))
     gather_stats = engine.gather_stats()  # before the gathering below
     with zcore.GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        params = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     inspected = None if inspect is None else inspect(engine)
     memory = engine.memory_report()
     engine.destroy()
     return {
         "losses": losses,
         "params": params,
+        "device": (device.type, engine.context.backend),
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "memory": memory,
@@ -118,8 +123,9 @@ def train_reference(
     gas: int,
     precision: str = "fp32",
     batch: int = GLOBAL_BATCH,
+    device: str = "cpu",
 ) -> dict:
-    master = make_model(model_name)
+    master = make_model(model_name).to(device)
     dtype = DTYPES[precision]
     model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     pairs = [(mp, cp) for mp, cp in zip(master.parameters(), model.parameters()) if mp.requires_grad]
@@ -133,8 +139,8 @@ def train_reference(
         for q in range(parts):
             part = rows(q, parts, batch)
             xs = x[part] if takes_tokens(model_name) else x[part].to(dtype)
-            out = forward(model_name, model, xs, step, rank=q % world)
-            loss = loss_of(model_name, out, y[part])
+            out = forward(model_name, model, xs.to(device), step, rank=q % world)
+            loss = loss_of(model_name, out, y[part].to(device))
             (loss * (scale / parts)).backward()
             total += loss.item()
             if model is not master:  # accumulate in fp32, as zcore does
@@ -155,7 +161,8 @@ def train_reference(
                 for mp, cp in pairs:
                     cp.copy_(mp)
         losses.append(total / parts)
-    return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -180,16 +187,17 @@ UPDATES = {False: "TorchUpdate", True: "FusedCpuUpdate", "nvme": "SwappedAdamUpd
 
 def assert_variants_match(
     results: list[dict], variants: list[tuple], world: int, steps: int, batch: int,
-    tolerance: float, param_tolerance: float,
+    tolerance: float, param_tolerance: float, device: str = "cpu",
 ) -> None:
     """``results[rank][label]`` from train_zcore for each variant (label,
     model, accumulation, clipping, optimizer on the host, ...): rank 0's
-    losses and parameters against the single-process reference, and every
-    rank's final parameters identical to rank 0's."""
+    losses and parameters against the single-process reference on
+    ``device``, and every rank's final parameters identical to rank 0's."""
     for label, model, gas, clip, offload, *_ in variants:
         got = results[0][label]
-        ref = train_reference(model, clip, steps, world, gas, batch=batch)
-        tag = f"{label} world {world}"
+        ref = train_reference(model, clip, steps, world, gas, batch=batch, device=device)
+        tag = f"{label} world {world} on {device}"
+        assert got["device"] == (device, BACKENDS[device]), tag
         assert got["global_steps"] == steps and got["skipped_steps"] == 0, tag
         assert got["update"] == UPDATES[offload], tag
         assert_matches(got, ref, tolerance, tag, param_tolerance)
