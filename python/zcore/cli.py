@@ -118,15 +118,16 @@ def estimate(args: argparse.Namespace) -> int:
         print("zcore estimate: give both --device-memory and --host-memory for a recommendation, or neither",
               file=sys.stderr)
         return 2
-    if args.seq_len is not None and args.params is not None:
-        print("zcore estimate: --seq-len runs a model's forward; with --params give --activations instead",
-              file=sys.stderr)
-        return 2
     split = args.tp * args.pp
     if split > 1 and args.params is None:
         print("zcore estimate: --tp and --pp split --params evenly; for a model, estimate the part one rank "
               "holds (a pipeline stage, a tensor-parallel rank's module) with "
               "zcore.estimate_memory(module, config, data_parallel_size)", file=sys.stderr)
+        return 2
+    if split > 1 and args.seq_len is not None:
+        print("zcore estimate: --seq-len with --params runs a GPT-like shape of the whole count, but with --tp and "
+              "--pp a rank holds a part of the model: give one rank's activations with --activations instead",
+              file=sys.stderr)
         return 2
     try:
         config = load_config(args.config if args.config is not None else {})
@@ -136,7 +137,7 @@ def estimate(args: argparse.Namespace) -> int:
             print(f"{args.params} parameters split evenly over {args.tp} tensor-parallel x {args.pp} pipeline "
                   f"ranks: {model} per rank, sharded over {args.world_size} data-parallel ranks\n")
         sample = None
-        if args.seq_len is not None:  # token ids, the first input of language models
+        if args.seq_len is not None:  # token ids, the first input of language models (and of --params' shape)
             micro = config.train_micro_batch_size_per_gpu
             batch = args.batch or (micro if isinstance(micro, int) else 1)
             sample = torch.zeros(batch, args.seq_len, dtype=torch.long, device="meta")
@@ -213,7 +214,9 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
              "cheapest that fits --device-memory and --host-memory",
     )
     what = plan.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=parameter_count, help="a parameter count, e.g. 1.3B or 350M (all trained)")
+    what.add_argument("--params", type=parameter_count,
+                      help="a parameter count, e.g. 1.3B or 350M (all trained; with --seq-len, activations of a "
+                           "GPT-like shape assumed from it, printed)")
     what.add_argument("--model", help="hf:<name or local directory> (built from its config on the meta device), "
                                       "or module:callable returning a torch.nn.Module")
     plan.add_argument("--config", default=None, help="DeepSpeed-style JSON config (default: none, so fp32): "
@@ -234,7 +237,8 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--batch", type=at_least(1), default=None,
                       help="micro-batch for the activations (default: the config's, or 1)")
     plan.add_argument("--seq-len", type=at_least(1), default=None,
-                      help="tokens per sample: activations measured with one forward on the meta device")
+                      help="tokens per sample: activations measured with one forward on the meta device "
+                           "(needed for a recommendation, unless --activations is given)")
     plan.add_argument("--activations", type=size_argument, default=None,
                       help="activation bytes per rank, when known otherwise (e.g. 6GiB)")
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="compute device (default cuda)")

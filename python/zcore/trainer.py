@@ -8,7 +8,10 @@
     )
     trainer.train()  # or trainer.train(resume_from_checkpoint=True)
 
-Launched as any Trainer script is (``torchrun --nproc_per_node=N``). The
+Launched as any Trainer script is (``torchrun --nproc_per_node=N``; on a
+machine without a GPU with ``TrainingArguments(use_cpu=True)``, without
+which Accelerate counts one process whatever the launcher started: the
+Trainer and zcore must see the same ranks, and a difference is refused). The
 Trainer keeps its loop, data loading, evaluation, logging, callbacks,
 learning-rate schedule and checkpoint rotation; zcore owns the parameters,
 gradients, optimizer step and precision.
@@ -60,11 +63,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from zcore.checkpoint.directory import LATEST
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
+from zcore.comm.collectives import DistributedContext, init_distributed
 from zcore.config.schema import Config, load_config, read_config_file
 from zcore.engine.engine import Engine
 from zcore.errors import ConfigError
@@ -104,7 +109,13 @@ class ZcoreTrainer(transformers.Trainer):
                 f"this process sees {self.args.n_gpu} GPUs and the Trainer would run them as DataParallel "
                 "in one process; launch one process per device instead (torchrun --nproc_per_node=N)"
             )
-        config = _config_from(self.args, _as_dict(zcore_config))
+        if self.args.device.type == "cpu" and not dist.is_initialized():
+            # use_cpu=True without a launcher (Accelerate set up no group): a
+            # group of one over gloo, where zcore would take NCCL on a GPU machine.
+            dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+        context = init_distributed()  # the process group zcore trains on: Accelerate's, or the launcher's
+        _check_same_world(self.args, context)
+        config = _config_from(self.args, _as_dict(zcore_config), context.world_size)
         self.engine: Engine = initialize(
             model=self.model, config=config, model_parameters=_decay_groups(self, config)
         )[0]
@@ -257,9 +268,37 @@ def _as_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
     return read_config_file(Path(config))
 
 
-def _config_from(args: transformers.TrainingArguments, config: dict) -> Config:
+def _check_same_world(args: transformers.TrainingArguments, context: DistributedContext) -> None:
+    """The Trainer shards data, sizes batches and saves from rank 0 by what
+    Accelerate sees; zcore shards and reduces over the process group. They
+    must be the same ranks on the same device type."""
+    state = args.distributed_state
+    seen = "no Accelerate state" if state is None else f"Accelerate's distributed type {state.distributed_type.value}"
+    if args.world_size != context.world_size:
+        if not torch.cuda.is_available() and not args.use_cpu:
+            fix = ("on a machine without a GPU, pass TrainingArguments(use_cpu=True), with which Accelerate runs "
+                   "the launcher's ranks over gloo (without it, Accelerate counts one process whatever the "
+                   "launcher started)")
+        else:
+            fix = ("launch one process per rank with torchrun --nproc_per_node=N (or accelerate launch), "
+                   "whose environment (RANK, LOCAL_RANK, WORLD_SIZE) Accelerate and zcore both read")
+        raise ConfigError(
+            f"the TrainingArguments see {args.world_size} process{'es' * (args.world_size != 1)} ({seen}, "
+            f"use_cpu={args.use_cpu}) but the process group zcore trains on (torch.distributed) has "
+            f"{context.world_size}: the Trainer would split the data and size batches for {args.world_size}; {fix}"
+        )
+    if args.device.type != context.device.type:
+        raise ConfigError(
+            f"the TrainingArguments put batches on {args.device} (use_cpu={args.use_cpu}, {seen}) but zcore "
+            f"trains on {context.device} (process group backend {context.backend}); pass use_cpu=True to train "
+            "on the CPU over gloo, or launch with torchrun on GPUs without it"
+        )
+
+
+def _config_from(args: transformers.TrainingArguments, config: dict, world_size: int) -> Config:
     """The zcore config: the user's, completed from the TrainingArguments
-    (where it leaves a key out or sets it to "auto")."""
+    (where it leaves a key out or sets it to "auto") and the process group's
+    ``world_size``."""
     if args.fp16:
         raise ConfigError(
             "TrainingArguments.fp16 would give Accelerate's gradient scaler, which never sees zcore's "
@@ -275,7 +314,7 @@ def _config_from(args: transformers.TrainingArguments, config: dict) -> Config:
     derived = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
     }
     for key, value in derived.items():
         if config.get(key, "auto") not in ("auto", value):

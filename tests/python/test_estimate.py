@@ -190,13 +190,13 @@ SHORT = 640_000_000  # device bytes: less than stages 2 and 3 need
 def test_recommendation_takes_the_first_choice_that_fits(tmp_path):
     for stage, device in ((2, STAGE2_DEVICE), (3, STAGE3_DEVICE)):
         assert zcore.estimate_memory(PSI, {**BF16, "zero_optimization": {"stage": stage}}, 4).total("device") == device
-    fits = zcore.recommend_config(PSI, BF16, 4, device_memory=STAGE2_DEVICE, host_memory=1 << 30)
+    fits = zcore.recommend_config(PSI, BF16, 4, device_memory=STAGE2_DEVICE, host_memory=1 << 30, activations=0)
     assert fits.zero_optimization == {"stage": 2}
     assert [r.split(" ")[:3] for r in fits.reasons[:2]] == [["stage", "0", "does"], ["stage", "1", "does"]]
 
     # Stages 2 and 3 miss; with the optimizer on the host the device keeps parameters,
     # gradient shards and buckets, the host the states and fp32 gradient copies.
-    squeezed = zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=1 << 30)
+    squeezed = zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=1 << 30, activations=0)
     assert squeezed.zero_optimization == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     assert squeezed.estimate.total("host") == 12 * PSI // 4 + 4 * PSI // 4
     assert "stage 3 does not fit: device 619.9 MiB > 610.4 MiB budget per device" in squeezed.reasons
@@ -205,9 +205,9 @@ def test_recommendation_takes_the_first_choice_that_fits(tmp_path):
     # Host memory short too (the cpu choices need 400 MB per rank and more): without an
     # NVMe path nothing fits; with one, the states go to NVMe and parameters to the host.
     with pytest.raises(zcore.InvalidArgumentError, match="(?s)no configuration fits.*nvme_path.*at world size 8, stage 2 fits"):
-        zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=350_000_000)
+        zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=350_000_000, activations=0)
     nvme = zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=350_000_000,
-                                  nvme_path=str(tmp_path))
+                                  nvme_path=str(tmp_path), activations=0)
     assert nvme.zero_optimization == {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}, "offload_param": {"device": "cpu"},
     }
@@ -215,7 +215,7 @@ def test_recommendation_takes_the_first_choice_that_fits(tmp_path):
     # Four ranks to a node share its host memory.
     with pytest.raises(zcore.InvalidArgumentError, match="per node of 4 ranks"):
         zcore.recommend_config(PSI, BF16, 4, device_memory=SHORT, host_memory=350_000_000,
-                               nvme_path=str(tmp_path), nvme_memory=1 << 40, ranks_per_node=4)
+                               nvme_path=str(tmp_path), nvme_memory=1 << 40, ranks_per_node=4, activations=0)
 
 
 def test_bad_inputs_name_the_fix():
@@ -231,10 +231,11 @@ def test_bad_inputs_name_the_fix():
             zcore.estimate_memory(model, {}, 1)
     with pytest.raises(zcore.InvalidArgumentError, match="device_memory must be a positive integer"):
         zcore.recommend_config(10**6, {}, 1, device_memory=-1, host_memory=1 << 30)
-    with pytest.raises(zcore.InvalidArgumentError, match="with a bare parameter count give activations"):
-        zcore.estimate_memory(10**6, {}, 1, sample_input=torch.zeros(1, 4))
+    for sample in (torch.zeros(1, 4), torch.zeros(4, dtype=torch.long), (torch.zeros(1, 4, dtype=torch.long),)):
+        with pytest.raises(zcore.InvalidArgumentError, match="with a bare parameter count, sample_input must be token"):
+            zcore.estimate_memory(10**6, {}, 1, sample_input=sample)
     with pytest.raises(zcore.InvalidArgumentError, match="raise the budgets"):
-        zcore.recommend_config(10**9, {}, 1, device_memory=1 << 20, host_memory=1 << 20)
+        zcore.recommend_config(10**9, {}, 1, device_memory=1 << 20, host_memory=1 << 20, activations=0)
     assert [parameter_count(t) for t in ("1.3B", "350M", "125k", "7e9", "42")] == [
         1_300_000_000, 350_000_000, 125_000, 7_000_000_000, 42]
     for text in ("abc", "0", "1.3X"):
@@ -245,7 +246,7 @@ def test_bad_inputs_name_the_fix():
 def test_the_command_prints_each_choice_and_the_recommendation(tmp_path, capsys):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}))
-    code = main(["estimate", "--params", "1.3B", "--config", str(config), "--world-size", "8",
+    code = main(["estimate", "--params", "1.3B", "--config", str(config), "--world-size", "8", "--activations", "2GiB",
                  "--device-memory", "16GiB", "--host-memory", "64GiB", "--ranks-per-node", "8"])
     out = capsys.readouterr().out
     assert code == 0
@@ -282,3 +283,6 @@ def test_tensor_and_pipeline_ranks_split_a_count_evenly(capsys):
     assert split.split("\n\n", 1)[1] == share
     assert main(["estimate", "--model", "models:TinyGPT", "--tp", "2"]) == 2
     assert "zcore.estimate_memory(module, config, data_parallel_size)" in capsys.readouterr().err
+    # --seq-len runs a shape assumed for the whole count, not one rank's part.
+    assert main(["estimate", "--params", "1B", "--tp", "2", "--seq-len", "128"]) == 2
+    assert "give one rank's activations with --activations" in capsys.readouterr().err

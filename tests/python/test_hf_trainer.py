@@ -13,6 +13,8 @@ agree within 1e-5 relative (measured 2e-7).
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +201,85 @@ def test_a_step_zcore_skips_does_not_advance_the_schedule():
     steps, skipped, scheduled = run_ranks(skipped_fp16_steps, 1, timeout=TIMEOUT)[0]
     assert steps == 8 and 0 < skipped < steps
     assert scheduled == steps - skipped
+
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "hugging-face.md"
+
+
+def guide_snippet():
+    """The guide's ZcoreTrainer block, as written."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.DOTALL)
+    (snippet,) = [b for b in blocks if "ZcoreTrainer(" in b]
+    return snippet
+
+
+def run_guide_snippet(rank, world, output_dir):
+    """The guide's block with its names bound: a model, data, and
+    TrainingArguments whose ``...`` this test fills in (the block's own
+    keywords are passed as written)."""
+    def training_arguments(elided, **written):
+        assert elided is Ellipsis
+        return transformers.TrainingArguments(
+            output_dir=str(output_dir), per_device_train_batch_size=MICRO, max_steps=3, logging_steps=1,
+            report_to="none", disable_tqdm=True, save_strategy="no", **written)
+
+    names = {"TrainingArguments": training_arguments, "torch": torch, "model": model(),
+             "train": dataset(SAMPLES, 1), "test": dataset(EVAL_SAMPLES, 2)}
+    exec(guide_snippet(), names)
+    trainer = names["trainer"]
+    losses, _, _ = history(trainer.state)
+    return trainer.args.world_size, trainer.engine.world_size, trainer.state.global_step, losses
+
+
+def test_the_guide_trainer_snippet_runs_as_written_at_world_2(tmp_path):
+    """Regression: without use_cpu=True on a machine without a GPU,
+    Accelerate counted one process, the batch size was derived from that
+    and the error blamed train_batch_size; the guide now says use_cpu."""
+    results = run_ranks(run_guide_snippet, WORLD, tmp_path, timeout=TIMEOUT)
+    for args_world, engine_world, steps, losses in results:
+        assert (args_world, engine_world, steps) == (WORLD, WORLD, 3)
+        assert sorted(losses) == [1, 2, 3] and all(loss > 0 for loss in losses.values())
+
+
+def without_use_cpu(rank, world, output_dir):
+    from zcore.errors import ConfigError
+    from zcore.trainer import ZcoreTrainer
+
+    args = arguments(output_dir, MICRO, GAS, use_cpu=False)
+    try:
+        ZcoreTrainer(model=model(), args=args, train_dataset=dataset(SAMPLES, 1),
+                     eval_dataset=dataset(EVAL_SAMPLES, 2), zcore_config={})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, Accelerate runs the ranks without use_cpu")
+def test_trainer_and_process_group_seeing_different_worlds_is_refused_with_both_and_the_fix(tmp_path):
+    """On a machine without a GPU and without use_cpu=True, Accelerate
+    counts one process while torchrun started two (and Accelerate itself
+    joined them in a process group)."""
+    for message in run_ranks(without_use_cpu, WORLD, tmp_path, timeout=TIMEOUT):
+        assert message is not None
+        assert "the TrainingArguments see 1 process (Accelerate's distributed type NO, use_cpu=False)" in message
+        assert "the process group zcore trains on (torch.distributed) has 2" in message
+        assert "pass TrainingArguments(use_cpu=True)" in message
+        assert "train_batch_size" not in message
+
+
+def use_cpu_where_cuda_is_available(rank, world, output_dir):
+    torch.cuda.is_available = lambda: True  # as on a GPU machine; nothing here touches the GPU
+    from zcore.trainer import ZcoreTrainer
+
+    args = arguments(output_dir, MICRO, 1, max_steps=2, eval_strategy="no", save_strategy="no")
+    trainer = ZcoreTrainer(model=model(), args=args, train_dataset=dataset(SAMPLES, 1))
+    trainer.train()
+    return args.device.type, trainer.engine.device.type, torch.distributed.get_backend(), trainer.state.global_step
+
+
+def test_use_cpu_on_a_gpu_machine_without_a_launcher_trains_on_the_cpu(tmp_path):
+    """Regression: Accelerate set up no process group (one process), and
+    zcore created an NCCL one, training on the GPU while the Trainer put
+    batches on the CPU."""
+    result = run_ranks(use_cpu_where_cuda_is_available, 1, tmp_path, launcher=False, timeout=TIMEOUT)[0]
+    assert result == ("cpu", "cpu", "gloo", 2)

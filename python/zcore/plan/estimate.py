@@ -15,7 +15,8 @@ alone (a model on the meta device is never materialised):
   host pools NVMe swaps read through (zcore.zero3.param_fetcher,
   zcore.step.swapped_optimizer, zcore.initialize);
 - activations: the tensors autograd saves in one forward of a sample
-  input, run on the meta device, or a figure given.
+  input, run on the meta device (for a bare count, token ids through a
+  GPT-like shape assumed from it: zcore.plan.assumed_gpt), or a figure given.
 Figures are for rank 0, whose shards hold the most elements (padding sits
 at the end of the last rank's).
 """
@@ -31,6 +32,7 @@ import torch
 
 import zcore._C as _C
 from zcore.plan.activation_estimate import SampleInput, saved_tensor_bytes
+from zcore.plan.assumed_gpt import GPTShape
 from zcore.comm.collectives import DistributedContext
 from zcore.comm.compressed_allreduce import padded_numel
 from zcore.config.schema import Config, load_config
@@ -152,8 +154,10 @@ def estimate_memory(
     trained, laid out as small parameters would be (stage 3's groups are
     then unknown: the result says what that leaves out). ``device``: the
     compute device type, "cuda" or "cpu". Activations: measured with one
-    forward of ``sample_input`` on the meta device (a module only), or
-    ``activations`` bytes as given; otherwise unknown.
+    forward of ``sample_input`` on the meta device (with a count, token ids
+    of micro-batch x sequence length, run through a GPT-like shape assumed
+    from the count and named in the result), or ``activations`` bytes as
+    given; otherwise unknown.
     ``host_available``: the training machine's available host memory,
     which sizes the NVMe optimizer's sub-groups as zcore does (default:
     this machine's).
@@ -183,8 +187,8 @@ class Planner:
         self.model = ModelCounts.of(model_or_param_count)
         self.host_available = host_bytes_available() if host_available is None else host_available
         precision = precision_from_config(self.config)
-        self.activations, note = _activations(self.model, sample_input, activations, precision)
-        self.notes = (*self.model.assumptions, *([note] if note else []))
+        self.activations, self.activation_note = _activations(self.model, sample_input, activations, precision)
+        self.notes = (*self.model.assumptions, self.activation_note)
 
     def estimate(self, cfg: Config, world_size: int) -> MemoryEstimate:
         _check_world_size(world_size)
@@ -594,7 +598,8 @@ def _activations(
     model: ModelCounts, sample_input: Optional[SampleInput], given: Optional[int], precision: MixedPrecision
 ) -> tuple[Optional[int], str]:
     """(bytes, a note for the result) from ``given``, or measured with one
-    forward of ``sample_input``; (None, why) when unknown."""
+    forward of ``sample_input`` (through a GPT-like shape for a bare count);
+    (None, why) when unknown."""
     if given is not None and sample_input is not None:
         raise InvalidArgumentError("give activations or sample_input, not both", argument="activations")
     if given is not None:
@@ -603,17 +608,35 @@ def _activations(
                                        argument="activations")
         return given, "activations: as given"
     if sample_input is None:
-        return None, "activations unknown: give a sample input (--batch/--seq-len) or their bytes (--activations)"
-    if model.module is None:
-        raise InvalidArgumentError(
-            "sample_input needs a model to run; with a bare parameter count give activations=<bytes>",
-            argument="sample_input",
-        )
+        return None, ("activations unknown: neither a sample input (--seq-len, sample_input=) nor their bytes "
+                      "(--activations, activations=) given")
+    module = model.module
+    note = "activations: what autograd saves in one training forward of the sample input (meta device)"
+    if module is None:
+        shape = _assumed_shape(model.trainable_elements, sample_input)
+        module = shape.build()
+        note += f" through a shape assumed from the parameter count, {shape}: pass the model for its own"
     try:
-        saved = saved_tensor_bytes(model.module, sample_input, precision)
+        saved = saved_tensor_bytes(module, sample_input, precision)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's forward: reported, not raised
         return None, f"activations unknown: the forward on the meta device failed ({type(exc).__name__}: {exc})"
-    return saved, "activations: what autograd saves in one training forward of the sample input (meta device)"
+    return saved, note
+
+
+def _assumed_shape(count: int, sample_input: SampleInput) -> GPTShape:
+    """A bare count runs token ids (micro-batch x sequence length) through
+    a GPT-like shape assumed from it."""
+    ids = sample_input
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        what = (f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
+                else type(ids).__name__)
+        raise InvalidArgumentError(
+            f"with a bare parameter count, sample_input must be token ids (an integer tensor of micro-batch x "
+            f"sequence length, e.g. torch.zeros(4, 1024, dtype=torch.long)), which run through a GPT-like shape "
+            f"assumed from the count; got {what}. Or pass the model itself, or give activations=<bytes>",
+            argument="sample_input",
+        )
+    return GPTShape.of(count, positions=ids.shape[1])
 
 
 # Text.

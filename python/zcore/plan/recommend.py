@@ -72,7 +72,13 @@ def recommend_config(
     """The cheapest choice in CHOICES that fits: ``device_memory`` bytes per
     device, ``host_memory`` and ``nvme_memory`` (None: not checked) bytes
     per node of ``ranks_per_node`` ranks. NVMe choices need an nvme_path
-    (the config's or ``nvme_path``). Other keys of ``config`` are kept."""
+    (the config's or ``nvme_path``). Other keys of ``config`` are kept.
+
+    Activations must be known: measured from ``sample_input`` (token ids
+    of micro-batch x sequence length; for a bare count they run through a
+    GPT-like shape assumed from it, named in the estimate) or given as
+    ``activations`` bytes. Without them no choice is called fitting: the
+    error names the cheapest that fits without them and what to pass."""
     planner = Planner(model_or_param_count, config, device=device, sample_input=sample_input,
                       activations=activations, host_available=host_memory)
     budget = Budget(device_memory, host_memory, nvme_memory, ranks_per_node)
@@ -136,14 +142,45 @@ def recommend(planner: Planner, world_size: int, budget: Budget, nvme_path: Opti
             continue
         overruns = budget.overruns(estimate)
         if not overruns:
+            if planner.activations is None:  # it fits without them: unknown whether it fits with them
+                raise _activations_needed(planner, estimate, budget)
             reasons.append(f"{choice.label} fits: {budget.use(estimate)}")
             return Recommendation(choice.zero_optimization, estimate, tuple(reasons))
         reasons.append(f"{choice.label} does not fit: {'; '.join(overruns)}")
+    unknown = "" if planner.activations is not None else " (activations unknown, not counted: they only add)"
     raise InvalidArgumentError(
-        f"no configuration fits at world size {world_size}:\n" + "\n".join(f"- {r}" for r in reasons)
+        f"no configuration fits at world size {world_size}{unknown}:\n" + "\n".join(f"- {r}" for r in reasons)
         + f"\n{_fix(planner, world_size, budget, nvme_path)}",
         world_size=world_size,
     )
+
+
+def _activations_needed(planner: Planner, estimate: MemoryEstimate, budget: Budget) -> InvalidArgumentError:
+    """No choice is called fitting while activations, often most of the
+    device, are left out: the cheapest that fits without them, and what to
+    pass to count them."""
+    module = planner.model.module
+    if module is None:
+        how = "; for a bare parameter count, through a GPT-like shape assumed from it, printed with the figures"
+    else:
+        longest = _longest_sequence(module)
+        how = f"; the model's config allows up to {longest} positions" if longest else ""
+    return InvalidArgumentError(
+        f"{planner.activation_note}, so nothing is recommended: the cheapest choice that fits without them, "
+        f"{estimate.label}, leaves {size_text(budget.device - estimate.total(DEVICE))} of the "
+        f"{size_text(budget.device)} device for them. Give a sequence length to measure them: zcore estimate "
+        "--seq-len N (and --batch B, default the config's micro-batch), or "
+        f"sample_input=torch.zeros(B, N, dtype=torch.long) in Python{how}; or their bytes: --activations 6GiB, "
+        "or activations=<bytes>",
+        argument="activations",
+    )
+
+
+def _longest_sequence(module: torch.nn.Module) -> Optional[int]:
+    """A transformers model's max_position_embeddings (n_positions, ...), if it has one."""
+    value = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
+
 
 def _fix(planner: Planner, world_size: int, budget: Budget, nvme_path: Optional[str]) -> str:
     """What would make a choice fit, in words: the smallest world size
