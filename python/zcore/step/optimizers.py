@@ -129,6 +129,7 @@ def build_optimizer(
         # Re-point the user's optimizer (so schedulers built on it keep working).
         for group, new in zip(optimizer.param_groups, piece_groups):
             group["params"] = new["params"]
+        _remake_construction_state(optimizer)
         return optimizer
     if optimizer is not None:
         built = optimizer(piece_groups)
@@ -165,6 +166,19 @@ def build_optimizer(
         )
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+
+
+def _remake_construction_state(optimizer: torch.optim.Optimizer) -> None:
+    """State an optimizer made at construction (Adagrad's sums, unstepped:
+    _has_stepped refused any other) was made for the model's parameters;
+    it is made again for the master pieces it now updates, as a twin of the
+    same class and hyper-parameters makes it (torch before 2.13 expects it
+    there at the first step rather than making it then)."""
+    if not optimizer.state:
+        return
+    twin = type(optimizer)([dict(group) for group in optimizer.param_groups], **optimizer.defaults)
+    optimizer.state.clear()
+    optimizer.state.update(twin.state)
 
 
 def _compressed_adam(
