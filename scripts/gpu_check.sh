@@ -15,6 +15,11 @@
 #   pytest     ZCORE_TEST_DEVICE=cuda pytest -m "device or cuda" (junit: $OUT/pytest.xml)
 #   bench_adam, bench_quantize   bench/gpu_adam.py and bench/quantize.py at
 #              small sizes, their tables into the log and $OUT/bench.json
+#   gpu_step   bench/gpu_step.py: one training step of a 355M GPT, torch,
+#              FSDP2, zcore stage 3 (optimizer on the device, and on the host)
+#   gpu_copy   bench/gpu_copy.py: host-device copies through zcore's offload
+#              paths against pinned cudaMemcpyAsync; device copy bandwidth
+#              (both: tables and BENCH_JSON lines into $OUT/bench.json)
 #   sanitizer  compute-sanitizer memcheck on the CUDA C++ tests and the CUDA
 #              Adam and quantization pytest tests ($OUT/sanitize-pytest.xml)
 # Each step is timed ("[step] name ... 12.3 s  pass"); a failed step does not
@@ -45,6 +50,9 @@
 # and tests/python/test_quantization.py whole (their CPU paths; the cuda tests
 # skip): set ZCORE_CHECK_PYTEST to other pytest arguments to change that
 # (-m "device or cuda" tests/python took 4.5 minutes here on 2 cores).
+# bench/gpu_step.py runs --tiny (a tiny GPT on the CPU over gloo, the same
+# code path); bench/gpu_copy.py runs up to its GPU check and --tiny (CPU
+# tensors for device ones), then its step skips.
 # Environment: OUT (rehearsal default /tmp/zcore-gpu-rehearse/out),
 # ZCORE_GPU_KIT (.gpukit), ZCORE_CHECK_SCRATCH (GPU: build/gpu-check, kept by
 # a warm machine between calls; rehearsal: /tmp/zcore-gpu-rehearse),
@@ -120,7 +128,8 @@ step() { # name cap_seconds function [needs: earlier step that must have passed]
     ((cap > left)) && cap=$left
     echo
     echo "=== [$name] (at most ${cap}s)"
-    timeout -k 10 "$cap" bash -c "$fn" 2>&1 | tee "$STATE/$name.out"
+    # STEP_CAP: the step's own seconds, for a benchmark that budgets itself.
+    STEP_CAP=$cap timeout -k 10 "$cap" bash -c "$fn" 2>&1 | tee "$STATE/$name.out"
     rc=${PIPESTATUS[0]}
     case $rc in
       0) status=pass ;;
@@ -378,6 +387,39 @@ step_bench_adam() {
   exit "$rc"
 }
 
+step_gpu_step() {
+  set -u
+  # 4 configs, each in a fresh process; the script skips (or kills) the
+  # configs that its budget cannot hold and still prints its table.
+  local budget=$((STEP_CAP - 12)) tiny=""
+  ((budget < 5)) && budget=5
+  [ "$MODE" = rehearse ] && tiny=--tiny   # a tiny GPT on the CPU (gloo): the same code path
+  # shellcheck disable=SC2086
+  "$PY" "$REPO/bench/gpu_step.py" $tiny --budget-s "$budget" 2>&1 | tee "$STATE/gpu_step.txt"
+  exit "${PIPESTATUS[0]}"
+}
+
+step_gpu_copy() {
+  set -u
+  local budget=$((STEP_CAP - 10))
+  ((budget < 5)) && budget=5
+  if [ "$MODE" = rehearse ]; then
+    # Up to its GPU check, then the code path with CPU tensors (figures meaningless).
+    { "$PY" "$REPO/bench/gpu_copy.py" && "$PY" "$REPO/bench/gpu_copy.py" --tiny --budget-s "$budget"; } 2>&1 \
+      | tee "$STATE/gpu_copy.txt"
+    ((PIPESTATUS[0] == 0)) || { echo "fail: bench/gpu_copy.py (its no-GPU exit or --tiny)"; exit 1; }
+    echo "skip: rehearsal (no GPU for host-device copies); ran up to its GPU check, and --tiny with CPU tensors"
+    exit 77
+  fi
+  "$PY" "$REPO/bench/gpu_copy.py" --budget-s "$budget" 2>&1 | tee "$STATE/gpu_copy.txt"
+  local rc=${PIPESTATUS[0]}
+  if grep -q "^skip: gpu_copy needs a GPU" "$STATE/gpu_copy.txt"; then
+    echo "fail: bench/gpu_copy.py found no GPU on the GPU machine"
+    exit 1
+  fi
+  exit "$rc"
+}
+
 step_bench_quantize() {
   set -u
   # bench/quantize.py times zcore's CPU quantization (the host side of qwZ/qgZ).
@@ -388,7 +430,8 @@ step_bench_quantize() {
   exit "${PIPESTATUS[0]}"
 }
 
-export -f step_env step_debs step_wheels step_build step_cuda step_ctest step_pytest step_sanitizer step_bench_adam step_bench_quantize pytest_timeout_arg
+export -f step_env step_debs step_wheels step_build step_cuda step_ctest step_pytest step_sanitizer step_bench_adam step_bench_quantize \
+  step_gpu_step step_gpu_copy pytest_timeout_arg
 
 step env 30 step_env
 step debs 20 step_debs
@@ -404,6 +447,8 @@ step cuda 30 step_cuda build
 step ctest 90 step_ctest build
 step pytest 210 step_pytest build
 step bench_adam 60 step_bench_adam build
+step gpu_step 100 step_gpu_step build
+step gpu_copy 30 step_gpu_copy build
 step bench_quantize 45 step_bench_quantize build
 # Last: the least certain (compute-sanitizer refused the device on gVisor
 # machines) and the slowest per test; it gets what the deadline leaves.
@@ -412,7 +457,8 @@ step sanitizer 120 step_sanitizer build
 echo
 # PYTHONPATH stays unset here: the report needs only the standard library.
 "$PY" "$REPO/scripts/gpu_report.py" summary --steps "$STATE/steps.tsv" --out "$OUT" --mode "$MODE" \
-  --env "$STATE/env.txt" --bench "gpu_adam=$STATE/bench_adam.txt" --bench "quantize=$STATE/bench_quantize.txt"
+  --env "$STATE/env.txt" --bench "gpu_adam=$STATE/bench_adam.txt" --bench "quantize=$STATE/bench_quantize.txt" \
+  --bench "gpu_step=$STATE/gpu_step.txt" --bench "gpu_copy=$STATE/gpu_copy.txt"
 rc=$?
 ls "$OUT" | sed 's/^/  out: /'
 exec >&- 2>&-

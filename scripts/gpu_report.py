@@ -16,7 +16,8 @@ which pip carries when it is not installed).
                           [--bench NAME=FILE ...]
         Writes DIR/summary.json (each step's name, seconds, status and note;
         pass/fail/skip counts of each junit XML file in DIR; the environment)
-        and DIR/bench.json (each benchmark's tables as rows, and its output),
+        and DIR/bench.json (each benchmark's tables as rows, the objects of
+        its "BENCH_JSON {...}" lines under "json", and its output),
         then prints a short table. Exits 1 if a step failed.
 """
 
@@ -214,6 +215,19 @@ def markdown_tables(text: str) -> list[dict[str, object]]:
     return tables
 
 
+def bench_json(text: str) -> list[object]:
+    """The objects of a benchmark's ``BENCH_JSON {...}`` lines (bench/gpu_step.py,
+    bench/gpu_copy.py), in order; a line that does not parse is kept as its text."""
+    found: list[object] = []
+    for line in text.splitlines():
+        if line.startswith("BENCH_JSON "):
+            try:
+                found.append(json.loads(line[len("BENCH_JSON "):]))
+            except ValueError:
+                found.append({"unparsed": line[:2000]})
+    return found
+
+
 def summary_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     steps = []
@@ -232,6 +246,9 @@ def summary_command(args: argparse.Namespace) -> int:
         name, _, file = item.partition("=")
         text = Path(file).read_text() if Path(file).exists() else ""
         bench[name] = {"tables": markdown_tables(text), "output": text[-20000:]}
+        figures = bench_json(text)
+        if figures:
+            bench[name]["json"] = figures
     failed = [s["name"] for s in steps if s["status"] == "fail"]
     summary = {
         "mode": args.mode,
