@@ -471,7 +471,7 @@ def test_the_trainer_resolves_each_key_the_auto_message_says_it_does(tmp_path):
         for section in sections:
             node = node.setdefault(section, {})
         node[key] = "auto"
-    resolved = _config_from(args, config)  # every "auto" filled in, or load_config would refuse it
+    resolved = _config_from(args, config, world_size=1)  # every "auto" filled in, or load_config would refuse it
     assert resolved.optimizer.params.lr == 3e-4 and resolved.optimizer.params.betas == (0.9, 0.95)
     assert resolved.gradient_clipping == 0.5
     assert not resolved.bf16.enabled and not resolved.fp16.enabled
