@@ -113,7 +113,9 @@ def step_records(rank: int, world: int) -> dict:
     rows_here = x.shape[0] // DP
     micro: list = []
     if stage == 0:
-        schedule.step(x[:rows_here])
+        # Contiguous: torch 2.11's pipelining refuses an input whose strides
+        # are not a contiguous tensor's (these token rows are a slice).
+        schedule.step(x[:rows_here].contiguous())
     else:
         schedule.step(target=y[:rows_here], losses=micro)
     record = engine.observation.metrics.last
