@@ -54,6 +54,12 @@ from zcore.comm.quantized_collectives import GRADIENT_BITS, GRADIENT_BLOCK, WEIG
 
 # Primitives.
 
+# The names the installed torch offers (torch before 2.13 has only the
+# *_tensor ones), as zcore.comm.collectives picks them.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _run_primitives(rank: int, n: int, group) -> dict:
     """Each operation zcore uses, on ``group``; what every one produced."""
     out = {}
@@ -73,11 +79,11 @@ def _run_primitives(rank: int, n: int, group) -> dict:
     dist.all_to_all_single(out["a2a uneven"], send, [rank + 1] * n, [j + 1 for j in range(n)], group=group)
     out["gather single"] = torch.empty(3 * n, dtype=torch.float64)
     mine = torch.tensor([rank, rank + 0.5, -rank], dtype=torch.float64)
-    dist.all_gather_single(out["gather single"], mine, group=group)
+    ALL_GATHER(out["gather single"], mine, group=group)
     out["gather list"] = [torch.empty(4, dtype=torch.bfloat16) for _ in range(n)]
     dist.all_gather(out["gather list"], torch.full((4,), rank + 1.0, dtype=torch.bfloat16), group=group)
     out["reduce-scatter"] = torch.empty(2)
-    dist.reduce_scatter_single(out["reduce-scatter"], torch.arange(2.0 * n) * (rank + 1), group=group)
+    REDUCE_SCATTER(out["reduce-scatter"], torch.arange(2.0 * n) * (rank + 1), group=group)
     out["sum"] = torch.arange(6.0) * (rank + 1)
     dist.all_reduce(out["sum"], group=group)
     out["max"] = torch.tensor([rank, -rank, 7], dtype=torch.int32)

@@ -144,6 +144,11 @@ class CountingProcessGroup(dist.ProcessGroup):
         self._count("gather", {} if self.rank() == opts.rootRank else {opts.rootRank: _nbytes(input_tensors)})
         return self._gloo.gather(output_tensors, input_tensors, opts)
 
+    # The names torch before 2.13 calls for the same three operations.
+    alltoall_base = all_to_all_single
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+
     def barrier(self, opts):
         self._count("barrier", {})
         return self._gloo.barrier(opts)
