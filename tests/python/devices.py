@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -80,3 +81,12 @@ def side_stream(device: torch.device) -> Iterator[None]:
     with torch.cuda.stream(stream):
         yield
     current.wait_stream(stream)
+
+
+# A CUDA build of torch on a machine without a driver (PyPI's torch on a CPU
+# machine) fails at its first CUDA call, even a profiler's setup or a faked
+# torch.cuda.is_available: tests that pretend to have a GPU skip there.
+CUDA_BUILD_WITHOUT_DRIVER = torch.version.cuda is not None and not torch.cuda.is_available()
+skip_on_cuda_build_without_driver = pytest.mark.skipif(
+    CUDA_BUILD_WITHOUT_DRIVER, reason="torch is a CUDA build and this machine has no CUDA driver"
+)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from devices import skip_on_cuda_build_without_driver
 from distributed import run_ranks
 
 transformers.logging.set_verbosity_error()
@@ -277,6 +278,7 @@ def use_cpu_where_cuda_is_available(rank, world, output_dir):
     return args.device.type, trainer.engine.device.type, torch.distributed.get_backend(), trainer.state.global_step
 
 
+@skip_on_cuda_build_without_driver
 def test_use_cpu_on_a_gpu_machine_without_a_launcher_trains_on_the_cpu(tmp_path):
     """Regression: Accelerate set up no process group (one process), and
     zcore created an NCCL one, training on the GPU while the Trainer put
