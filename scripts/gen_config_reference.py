@@ -157,6 +157,66 @@ DESCRIPTIONS: dict[str, str] = {
     "WarmupCosineLRParams.cos_min_ratio": "Ratio of the initial learning rate at the end of the cosine decay.",
     "WarmupCosineLRParams.warmup_type": "`log` or `linear`, as for WarmupLR.",
     "WarmupCosineLRParams.last_batch_iteration": "The step the schedule starts after; -1 starts at the beginning.",
+    "OneCycleScheduler.type": (
+        "`OneCycle`: one cycle of the learning rate from `cycle_min_lr` up to `cycle_max_lr` and back down "
+        "(optionally in stairs), then `cycle_min_lr`, decayed if `decay_step_size` and `decay_lr_rate` are "
+        "set; Adam's first beta cycles the other way."
+    ),
+    "OneCycleParams.cycle_min_lr": (
+        "Learning rate at the start and end of the cycle, and the base of the decay. Required."
+    ),
+    "OneCycleParams.cycle_max_lr": "Learning rate at the top of the cycle. Required.",
+    "OneCycleParams.decay_lr_rate": (
+        "n steps after the cycle the learning rate is `cycle_min_lr / (1 + decay_lr_rate * n / "
+        "decay_step_size)`; 0: it stays `cycle_min_lr`."
+    ),
+    "OneCycleParams.cycle_first_step_size": "Optimizer steps from `cycle_min_lr` up to `cycle_max_lr`.",
+    "OneCycleParams.cycle_second_step_size": (
+        "Optimizer steps from `cycle_max_lr` back down to `cycle_min_lr`; null: `cycle_first_step_size`."
+    ),
+    "OneCycleParams.cycle_first_stair_count": (
+        "Stairs of the rising half: the learning rate (and momentum) holds between them; 0 or less: it moves "
+        "every step."
+    ),
+    "OneCycleParams.cycle_second_stair_count": "Stairs of the falling half; null: `cycle_first_stair_count`.",
+    "OneCycleParams.decay_step_size": (
+        "The unit of the decay after the cycle, in optimizer steps (see `decay_lr_rate`); 0: no decay."
+    ),
+    "OneCycleParams.cycle_momentum": (
+        "Cycles the first of the optimizer's `betas` between `cycle_max_mom` and `cycle_min_mom` (high while "
+        "the learning rate is low) and sets the second to 0.99, as DeepSpeed does; before the first step the "
+        "first is `cycle_min_mom`. An optimizer without betas keeps its momentum (logged)."
+    ),
+    "OneCycleParams.cycle_min_mom": "First beta at the top of the cycle.",
+    "OneCycleParams.cycle_max_mom": "First beta at the start and end of the cycle, and the base of its decay.",
+    "OneCycleParams.decay_mom_rate": (
+        "n steps after the cycle the first beta is `cycle_max_mom * (1 + decay_mom_rate * n / "
+        "decay_step_size)`; 0: it stays `cycle_max_mom`."
+    ),
+    "OneCycleParams.last_batch_iteration": (
+        "The step the schedule starts after; -1 starts at the beginning. A loaded checkpoint restores the "
+        "schedule's own position."
+    ),
+    "LRRangeTestScheduler.type": (
+        "`LRRangeTest`: the learning rate grows linearly from `lr_range_test_min_lr`, to find the largest "
+        "that still trains."
+    ),
+    "LRRangeTestParams.lr_range_test_min_lr": "Learning rate at the start.",
+    "LRRangeTestParams.lr_range_test_step_size": (
+        "Optimizer steps per `lr_range_test_step_rate` times `lr_range_test_min_lr` added."
+    ),
+    "LRRangeTestParams.lr_range_test_step_rate": (
+        "After n steps the learning rate is `lr_range_test_min_lr * (1 + lr_range_test_step_rate * n / "
+        "lr_range_test_step_size)`."
+    ),
+    "LRRangeTestParams.lr_range_test_staircase": (
+        "true: `n / lr_range_test_step_size` is rounded down, so the learning rate rises in stairs; false: it "
+        "rises at every step."
+    ),
+    "LRRangeTestParams.last_batch_iteration": (
+        "The step the schedule starts after; -1 starts at the beginning. A loaded checkpoint restores the "
+        "schedule's own position."
+    ),
     # bf16, fp16
     "BF16Config.enabled": (
         "Computes in bfloat16: parameters are cast for forward and backward; fp32 master weights and "
@@ -218,6 +278,11 @@ DESCRIPTIONS: dict[str, str] = {
     "ZeroConfig.stage3_param_persistence_threshold": (
         "Stage 3: parameter groups of fewer elements stay gathered for the whole step (and on the device "
         "with parameter offload)."
+    ),
+    "ZeroConfig.stage3_gather_16bit_weights_on_model_save": (
+        "`ZcoreTrainer.save_model()` writes the weights in the compute dtype (bf16 or fp16), as DeepSpeed's "
+        "Trainer integration does; without it, the fp32 master weights. Streamed at every stage "
+        "(`engine.save_16bit_model` writes 16-bit weights either way)."
     ),
     "ZeroConfig.stage3_rank_agreement_check": (
         "Stage 3: when the ranks check that they are about to gather the same groups. `recording`: where no "
@@ -357,15 +422,10 @@ ZCORE_ONLY = {
     "zero_optimization.stage3_rank_agreement_check",
 }
 
-# Other spellings DeepSpeed reads for a key; zcore reads only the key's own
-# name (tests/python/test_docs.py checks that zcore refuses each of these).
-DEEPSPEED_SPELLINGS: dict[str, str] = {
-    "bf16": "bfloat16",
-    "zero_optimization.stage3_prefetch_bucket_size": "zero_optimization.prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold": "zero_optimization.param_persistence_threshold",
-    "zero_optimization.stage3_max_live_parameters": "zero_optimization.max_live_parameters",
-    "zero_optimization.stage3_max_reuse_distance": "zero_optimization.max_reuse_distance",
-}
+# Other names DeepSpeed reads for a key, which zcore reads too.
+DEEPSPEED_SPELLINGS: dict[str, list[str]] = {}
+for _alias, _key in config_keys.ALIASES.items():
+    DEEPSPEED_SPELLINGS.setdefault(_key, []).append(_alias)
 
 # The top of the page.
 INTRO = """\
@@ -375,18 +435,21 @@ INTRO = """\
      Run `.venv/bin/python scripts/gen_config_reference.py` after changing the schema. -->
 
 zcore reads a DeepSpeed JSON config (a file path, a dict, or a `zcore.config.Config`). Every key it
-implements has DeepSpeed's name, default and meaning unless the table says otherwise. Values are taken
-strictly: `true` is not `1`, `"4"` is not `4`, an integer written as `5e8` is that integer, and an
-unknown key is an error naming the key, the nearest known key and the keys allowed there. `"auto"` (of
-configs written for transformers) is filled in only by `zcore.trainer.ZcoreTrainer`, from its
-TrainingArguments; elsewhere it is an error, but for the batch sizes, where it means inferred. Errors are
-`zcore.ConfigError`.
+implements has DeepSpeed's name, default and meaning unless the table says otherwise. Values are read
+as DeepSpeed's own models read them and no further: `1` and `0` (and `"true"`, `"yes"`, ...) are
+booleans, an integer written as `5e8` is that integer, a string holding a number is that number where the
+key takes no string; a boolean is never a number, and an unknown key inside a section is an error naming
+the key, the nearest known key and the keys allowed there. `"auto"` (of configs written for transformers)
+is filled in by `zcore.trainer.ZcoreTrainer` from its TrainingArguments and the model, as transformers
+fills it for DeepSpeed; outside the Trainer it is the default in `zero_optimization`, `fp16` and `bf16`
+(as in DeepSpeed), inferred for the batch sizes, and an error elsewhere. Errors are `zcore.ConfigError`.
 
 - **DeepSpeed**: "same" where DeepSpeed reads the key under the same name; "zcore only" for zcore's own
-  keys; other spellings DeepSpeed also reads are listed, and zcore refuses them as unknown keys.
-- Keys DeepSpeed has and zcore does not implement are listed
-  [at the end](#deepspeed-keys-zcore-does-not-implement), with the reason; each is accepted only at
-  DeepSpeed's default, which changes nothing.
+  keys; other names DeepSpeed also reads for the key are listed, and zcore reads them too.
+- DeepSpeed's keys that are not zcore's own are listed
+  [at the end](#deepspeed-keys-that-are-not-zcores-own): the tuning choices zcore makes itself
+  (accepted at any value), and the keys zcore cannot honour (accepted only at a value that changes
+  nothing).
 - The guides explain the features: [training](../guide/training.md),
   [ZeRO stages](../guide/zero-stages.md), [offload and NVMe](../guide/offload-and-nvme.md),
   [compression](../guide/compression.md), [observability](../guide/observability.md).
@@ -537,7 +600,7 @@ def deepspeed_text(key: str) -> str:
     if key in ZCORE_ONLY:
         return "zcore only"
     if key in DEEPSPEED_SPELLINGS:
-        return f"same; also `{DEEPSPEED_SPELLINGS[key]}`"
+        return "same; also " + ", ".join(f"`{name}`" for name in DEEPSPEED_SPELLINGS[key])
     return "same"
 
 
@@ -651,18 +714,56 @@ def _cell(text: str) -> str:
 
 def render_unsupported() -> str:
     lines = [
-        "## DeepSpeed keys zcore does not implement",
+        "## DeepSpeed keys that are not zcore's own",
+        "",
+        "Every config DeepSpeed 0.19.8 accepts, zcore accepts. DeepSpeed's keys that zcore does not hold "
+        "under its own name are of three kinds (`zcore.config.keys`). A top-level key that neither reads is "
+        "ignored, as DeepSpeed ignores it, and `zcore.initialize` warns naming it.",
+        "",
+        "### Other names",
+        "",
+        "DeepSpeed's other names of zcore's keys (its aliases and deprecated names) set the same key; "
+        "giving both names different values is refused.",
+        "",
+        "| DeepSpeed's name | zcore's key |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{alias}` | `{key}` |" for alias, key in config_keys.ALIASES.items()]
+    lines += [f"| `{switch}` | `{section}.device = \"cpu\"` when true |"
+              for switch, section in config_keys.OFFLOAD_SWITCHES.items()]
+    lines += [
+        "",
+        "### Tuning choices zcore makes itself",
+        "",
+        "Accepted at any value of their type, and listed once by `zcore.initialize` (the `zcore` logger, "
+        "INFO) with what zcore does instead. So is `\"auto\"` at any key of `zero_optimization` (and its "
+        "offload sections), `fp16` and `bf16`, which DeepSpeed reads as the key's default, and "
+        "`zero_optimization.sub_group_size = 0`.",
+        "",
+        "| key | type | what zcore does |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{key}` | {kind} | {_cell(_sentence(instead))} |"
+              for key, (kind, instead) in config_keys.TUNING_KEYS.items()]
+    lines += [
+        "",
+        "### Keys zcore cannot honour",
         "",
         "A config that gives one of these keys at the value in the second column is accepted (the key is "
-        "dropped: that value is what zcore does anyway); any other value is refused with the reason. "
-        "Keys marked *any value refused* are refused whatever they hold. The list is "
-        "`zcore.config.keys.UNSUPPORTED_KEYS`.",
+        "dropped: that value is what zcore does anyway); any other value is refused with the reason, since "
+        "zcore would compute or save something else. Keys marked *any value refused* are refused whatever "
+        "they hold.",
         "",
         "| key | accepted at | reason |",
         "| --- | --- | --- |",
     ]
     for key, (default, reason) in config_keys.UNSUPPORTED_KEYS.items():
-        accepted = "*any value refused*" if default is config_keys._ANY else f"`{json.dumps(default)}`"
+        if default is config_keys._ANY:
+            accepted = "*any value refused*"
+        elif default is config_keys._DISABLED:
+            accepted = "`\"enabled\": false`"
+        else:
+            accepted = f"`{json.dumps(default)}`"
         lines.append(f"| `{key}` | {accepted} | {_cell(_sentence(reason))} |")
     lines.append("")
     return "\n".join(lines)

@@ -73,6 +73,7 @@ from zcore.comm.collectives import DistributedContext, init_distributed
 from zcore.config.schema import Config, load_config, read_config_file
 from zcore.engine.engine import Engine
 from zcore.errors import ConfigError
+from zcore.optim.lr_schedules import SCHEDULES
 from zcore.engine.initialize import initialize
 
 __all__ = ["ZcoreTrainer"]
@@ -115,7 +116,9 @@ class ZcoreTrainer(transformers.Trainer):
             dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         context = init_distributed()  # the process group zcore trains on: Accelerate's, or the launcher's
         _check_same_world(self.args, context)
-        config = _config_from(self.args, _as_dict(zcore_config), context.world_size)
+        raw = _as_dict(zcore_config)
+        self._scheduler_section = raw.get("scheduler")
+        config = _config_from(self.args, raw, context.world_size, self.model)
         self.engine: Engine = initialize(
             model=self.model, config=config, model_parameters=_decay_groups(self, config)
         )[0]
@@ -134,6 +137,9 @@ class ZcoreTrainer(transformers.Trainer):
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.lr_scheduler is None and self._scheduler_section is not None:
+            params = _scheduler_from(self.args, self._scheduler_section, num_training_steps)
+            self.lr_scheduler = SCHEDULES[params.type](optimizer or self.optimizer, params.params)
         schedule = super().create_scheduler(num_training_steps, optimizer)
         if not isinstance(schedule, (_SkipAwareSchedule, torch.optim.lr_scheduler.ReduceLROnPlateau)):
             self.lr_scheduler = schedule = _SkipAwareSchedule(schedule, self.engine)
@@ -172,7 +178,8 @@ class ZcoreTrainer(transformers.Trainer):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Writes a directory ``from_pretrained`` loads; call it on every rank."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(self.engine, output_dir)
+        sixteen_bit = self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        save_pretrained(self.engine, output_dir, dtype=self.engine._compute_dtype() if sixteen_bit else torch.float32)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -295,21 +302,22 @@ def _check_same_world(args: transformers.TrainingArguments, context: Distributed
         )
 
 
-def _config_from(args: transformers.TrainingArguments, config: dict, world_size: int) -> Config:
+def _config_from(
+    args: transformers.TrainingArguments, config: dict, world_size: int, model: Optional[torch.nn.Module] = None
+) -> Config:
     """The zcore config: the user's, completed from the TrainingArguments
-    (where it leaves a key out or sets it to "auto") and the process group's
-    ``world_size``."""
+    (where it leaves a key out or sets it to "auto"), the process group's
+    ``world_size`` and the model's hidden size (the bucket sizes), as
+    transformers completes a DeepSpeed config. A ``scheduler`` section is
+    left out: the Trainer builds it once it knows the number of steps
+    (``_scheduler_from``)."""
+    config = {key: value for key, value in config.items() if key != "scheduler"}
+    _fill_hidden_size_keys(config, model)
     if args.fp16:
         raise ConfigError(
             "TrainingArguments.fp16 would give Accelerate's gradient scaler, which never sees zcore's "
             "gradients; set fp16 in the zcore config instead ({'fp16': {'enabled': true}}: zcore's "
             "dynamic loss scaling) and leave TrainingArguments.fp16 false"
-        )
-    if "scheduler" in config:
-        raise ConfigError(
-            "the zcore config has a scheduler section, but under the Trainer the learning-rate "
-            "schedule is the Trainer's (TrainingArguments.lr_scheduler_type, warmup_steps, ...); "
-            "remove the section"
         )
     derived = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
@@ -349,6 +357,69 @@ def _config_from(args: transformers.TrainingArguments, config: dict, world_size:
         config.setdefault("bf16", {})
         config["bf16"].setdefault("enabled", True)
     return load_config(config)
+
+
+# The keys transformers sizes from the model's hidden size h when they are
+# "auto" (DeepSpeed's other names for them too): h*h, and at stage 3 0.9*h*h
+# and 10*h.
+_HIDDEN_SIZE_KEYS = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+    "param_persistence_threshold": lambda h: 10 * h,
+}
+_STAGE_3_ONLY = {"stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+                 "param_persistence_threshold"}
+
+
+def _fill_hidden_size_keys(config: dict, model: Optional[torch.nn.Module]) -> None:
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    auto = [key for key in _HIDDEN_SIZE_KEYS if isinstance(zero.get(key), str) and zero[key] == "auto"]
+    if zero.get("stage") != 3:
+        auto = [key for key in auto if key not in _STAGE_3_ONLY]  # left to their defaults, as transformers does
+    if not auto:
+        return
+    hidden = _hidden_size(model)
+    if hidden is None:
+        raise ConfigError(
+            f"the zcore config sets {', '.join('zero_optimization.' + key for key in auto)} to \"auto\", which "
+            "the Trainer sizes from the model's hidden size, but the model's config has no hidden_size or "
+            "hidden_sizes (nor a text_config with one); put a number there instead"
+        )
+    config["zero_optimization"] = {**zero, **{key: _HIDDEN_SIZE_KEYS[key](hidden) for key in auto}}
+
+
+def _hidden_size(model: Optional[torch.nn.Module]) -> Optional[int]:
+    """The model's hidden size as transformers finds it (the largest of
+    ``hidden_sizes`` where there are several)."""
+    model_config = getattr(model, "config", None)
+    for source in (model_config, getattr(model_config, "text_config", None)):
+        if getattr(source, "hidden_size", None) is not None:
+            return int(source.hidden_size)
+        if getattr(source, "hidden_sizes", None):
+            return int(max(source.hidden_sizes))
+    return None
+
+
+def _scheduler_from(args: transformers.TrainingArguments, section: Any, num_training_steps: int) -> Any:
+    """The zcore config's scheduler section with its "auto" filled in as
+    transformers fills a DeepSpeed scheduler: warmup_min_lr 0, warmup_max_lr
+    the learning rate, total_num_steps the Trainer's steps, warmup_num_steps
+    its warm-up steps (at least 1); validated."""
+    section = copy.deepcopy(section)
+    params = section.get("params") if isinstance(section, dict) else None
+    if isinstance(params, dict):
+        fills = {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": args.learning_rate,
+            "total_num_steps": num_training_steps,
+            "warmup_num_steps": max(1, args.get_warmup_steps(num_training_steps)),
+        }
+        params.update({k: v for k, v in fills.items() if isinstance(params.get(k), str) and params[k] == "auto"})
+    return load_config({"train_batch_size": 1, "scheduler": section}).scheduler
 
 
 def _decay_groups(trainer: transformers.Trainer, config: Config) -> list[dict]:

@@ -110,21 +110,47 @@ BASES = {
 
 
 # What each key takes. A kind maps a JSON value to the value the parsed
-# config must hold, or REFUSED. The only coercions allowed (documented):
+# config must hold, GONE (accepted and dropped) or REFUSED. The coercions
+# allowed (documented; DeepSpeed's pydantic models take the same):
 #   1. an integral float (5e8) for an integer key: the int;
 #   2. an int for a float key: the float of the same value (exactly);
 #   3. betas: a JSON list of two numbers, a tuple of floats;
 #   4. optimizer.type: "adam"/"adamw"/"onebitadam"/"zerooneadam" in any case, the canonical name;
 #   5. zero_optimization.offload_optimizer or offload_param, or aio: null, all defaults;
-#   6. a DeepSpeed key at DeepSpeed's default: accepted and dropped (GONE).
+#   6. a DeepSpeed key zcore does not support, at DeepSpeed's default: dropped (GONE);
+#   7. a boolean key: 1 and 0 (int or float), and the words true/yes/on/t/y/1
+#      and false/no/off/f/n/0 in any case;
+#   8. a number key that takes no string: a string holding a JSON number
+#      (spaces around it allowed), that number;
+#   9. a DeepSpeed tuning key with a value of its type: dropped (GONE);
+#  10. "auto" at any key of zero_optimization (and its offload sections),
+#      fp16 and bf16: dropped (DeepSpeed's default); sub_group_size 0: dropped;
+#  11. a top-level key neither DeepSpeed nor zcore reads: dropped;
+#  12. a section that 6, 9 or 10 leave empty: dropped with them.
 # "auto" is accepted as itself where the key allows it.
 REFUSED = object()
 GONE = object()
 Kind = Callable[[Any], Any]
 
+_WORDS = {"true": True, "yes": True, "on": True, "t": True, "y": True, "1": True,
+          "false": False, "no": False, "off": False, "f": False, "n": False, "0": False}
 
-def integer(lo: int = -LIMIT, hi: int = LIMIT) -> Kind:
+
+def json_number(v: Any) -> Any:
+    """A number, or a string holding a JSON number (coercion 8); REFUSED otherwise."""
+    if type(v) is str:
+        text = v.strip()
+        if not re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?", text):
+            return REFUSED
+        return int(text) if re.fullmatch(r"-?[0-9]+", text) else float(text)
+    return v if type(v) in (int, float) else REFUSED
+
+
+def integer(lo: int = -LIMIT, hi: int = LIMIT, strings: bool = True) -> Kind:
     def kind(v: Any) -> Any:
+        if type(v) is str and not strings:
+            return REFUSED
+        v = json_number(v)
         if type(v) is float and v.is_integer():
             v = int(v)  # coercion 1
         return v if type(v) is int and lo <= v <= hi and abs(v) <= LIMIT else REFUSED
@@ -133,6 +159,7 @@ def integer(lo: int = -LIMIT, hi: int = LIMIT) -> Kind:
 
 def real(lo: float = -math.inf, strict: bool = False) -> Kind:
     def kind(v: Any) -> Any:
+        v = json_number(v)
         if type(v) is int and abs(v) <= LIMIT and float(v) == v:
             v = float(v)  # coercion 2
         if type(v) is not float or not math.isfinite(v):
@@ -149,7 +176,11 @@ def multiple_of(step: int, base: Kind) -> Kind:
 
 
 def boolean(v: Any) -> Any:
-    return v if type(v) is bool else REFUSED
+    if type(v) is bool:
+        return v
+    if type(v) in (int, float) and v in (0, 1):
+        return bool(v)  # coercion 7
+    return _WORDS.get(v.lower(), REFUSED) if type(v) is str else REFUSED
 
 
 def string(v: Any) -> Any:
@@ -159,6 +190,11 @@ def string(v: Any) -> Any:
 def one_of(*allowed: Any) -> Kind:
     # Exact type: 1 is not True, 3.0 is not "3".
     return lambda v: v if any(type(v) is type(a) and v == a for a in allowed) else REFUSED
+
+
+def false_only(v: Any) -> Any:
+    """A boolean key that takes only false (what zcore does anyway)."""
+    return False if boolean(v) is False else REFUSED
 
 
 def either(*kinds: Kind) -> Kind:
@@ -190,21 +226,85 @@ def zero(v: Any) -> Any:
     return e if e is not REFUSED and e == 0.0 else REFUSED
 
 
-def deepspeed_default(default: Any) -> Kind:
-    return lambda v: GONE if type(v) is type(default) and v == default else REFUSED  # coercion 6
+def deepspeed_default(default: bool) -> Kind:
+    return lambda v: GONE if boolean(v) is default else REFUSED  # coercion 6
+
+
+def tuning(kind: str) -> Kind:
+    """A DeepSpeed tuning key: any value of its JSON type is dropped (coercion 9)."""
+    def check(v: Any) -> Any:
+        if kind == "bool":
+            ok = boolean(v) is not REFUSED
+        elif kind == "section":
+            ok = v is None or type(v) is dict
+        else:
+            number = json_number(v)
+            ok = number is not REFUSED and (kind == "float" or type(number) is int or number.is_integer())
+        return GONE if ok else REFUSED
+    return check
 
 
 class Section:
-    def __init__(self, keys: dict[str, Kind], required: tuple[str, ...] = (), null: str = "refused"):
-        self.keys, self.required, self.null = keys, required, null
+    def __init__(self, keys: dict[str, Kind], required: tuple[str, ...] = (), null: str = "refused",
+                 auto_is_default: bool = False):
+        self.keys, self.required, self.null, self.auto_is_default = keys, required, null, auto_is_default
 
     def __call__(self, v: Any) -> Any:
         if v is None and self.null != "refused":
             return None if self.null == "none" else {}  # coercion 5: {} is all defaults
-        if type(v) is not dict or any(k not in v for k in self.required):
+        if not isinstance(v, dict) or any(k not in v for k in self.required):
             return REFUSED
-        expected = {k: self.keys[k](x) if k in self.keys else REFUSED for k, x in v.items()}
-        return REFUSED if REFUSED in expected.values() else expected
+        expected = {k: self.expect(k, x) for k, x in v.items()}
+        if REFUSED in expected.values():
+            return REFUSED
+        return GONE if v and all(e is GONE for e in expected.values()) else expected  # coercion 12
+
+    def expect(self, key: str, x: Any) -> Any:
+        if self.auto_is_default and type(x) is str and x == "auto":
+            return GONE  # coercion 10
+        return self.keys[key](x) if key in self.keys else REFUSED
+
+
+class ZeroSection(Section):
+    """zero_optimization: sub_group_size 0 is dropped (coercion 10), and
+    cpu_offload (DeepSpeed's deprecated switch) true stands for an
+    offload_optimizer section with device "cpu" where none is given."""
+
+    def __call__(self, v: Any) -> Any:
+        if isinstance(v, dict) and "cpu_offload" in v and boolean(v["cpu_offload"]) is True:
+            if "offload_optimizer" in v:
+                return REFUSED
+            v = {**{k: x for k, x in v.items() if k != "cpu_offload"}, "offload_optimizer": {"device": "cpu"}}
+        return super().__call__(v)
+
+    def expect(self, key: str, x: Any) -> Any:
+        if key == "cpu_offload":
+            return GONE if boolean(x) is False else REFUSED  # true was read above
+        if key == "sub_group_size" and type(x) is not bool and json_number(x) == 0:
+            return GONE
+        return super().expect(key, x)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    return a is b if bool in (type(a), type(b)) else a == b
+
+
+class AioSection(Section):
+    """aio: thread_count is DeepSpeed's older name of intra_op_parallelism;
+    both given must agree, and the older name's value is the one read."""
+
+    def __call__(self, v: Any) -> Any:
+        if not (isinstance(v, dict) and "thread_count" in v):
+            return super().__call__(v)
+        if "intra_op_parallelism" in v and not same_value(v["intra_op_parallelism"], v["thread_count"]):
+            return REFUSED
+        expected = super().__call__({k: x for k, x in v.items() if k != "thread_count"})
+        if expected is REFUSED:
+            return REFUSED
+        read = self.keys["intra_op_parallelism"](v["thread_count"])
+        if read is REFUSED:
+            return REFUSED
+        return {**({} if expected is GONE else expected), "intra_op_parallelism": read, "thread_count": GONE}
 
 
 class Optimizer:
@@ -215,10 +315,10 @@ class Optimizer:
     # applies, accepted only at what both do anyway; comm_backend_name only
     # where it selects torch.distributed.
     compressed = {
-        **adam, "bias_correction": boolean, "eps_inside_sqrt": one_of(False), "max_grad_norm": zero,
-        "amsgrad": one_of(False), "cuda_aware": one_of(False), "comm_backend_name": one_of("nccl", "gloo", "compressed"),
+        **adam, "bias_correction": boolean, "eps_inside_sqrt": false_only, "max_grad_norm": zero,
+        "amsgrad": false_only, "cuda_aware": false_only, "comm_backend_name": one_of("nccl", "gloo", "compressed"),
     }
-    adam_params = Section({**adam, "adam_w_mode": boolean, "torch_adam": boolean, "amsgrad": one_of(False)})
+    adam_params = Section({**adam, "adam_w_mode": boolean, "torch_adam": boolean, "amsgrad": false_only})
     params = {
         "Adam": adam_params,
         "AdamW": adam_params,
@@ -235,7 +335,8 @@ class Optimizer:
         kind = optimizer_type(v.get("type")) if type(v) is dict else REFUSED
         if kind is REFUSED:
             return REFUSED
-        return Section({"type": optimizer_type, "params": self.params[kind]}, ("type",))(v)
+        return Section({"type": optimizer_type, "params": self.params[kind], "legacy_fusion": tuning("bool")},
+                       ("type",))(v)
 
 
 class Scheduler:
@@ -249,10 +350,23 @@ class Scheduler:
         "total_num_steps": integer(1), "warmup_min_ratio": real(), "warmup_num_steps": integer(1),
         "cos_min_ratio": real(), "warmup_type": one_of("log", "linear"), "last_batch_iteration": integer(),
     }
+    one_cycle = {
+        "cycle_min_lr": real(), "cycle_max_lr": real(), "decay_lr_rate": real(),
+        "cycle_first_step_size": integer(1), "cycle_second_step_size": either(integer(0), null),
+        "cycle_first_stair_count": integer(), "cycle_second_stair_count": either(integer(), null),
+        "decay_step_size": integer(0), "cycle_momentum": boolean, "cycle_min_mom": real(),
+        "cycle_max_mom": real(), "decay_mom_rate": real(), "last_batch_iteration": integer(),
+    }
+    range_test = {
+        "lr_range_test_min_lr": real(), "lr_range_test_step_size": integer(1), "lr_range_test_step_rate": real(),
+        "lr_range_test_staircase": boolean, "last_batch_iteration": integer(),
+    }
     params = {
         "WarmupLR": (Section(warmup), False),
         "WarmupDecayLR": (Section({**warmup, "total_num_steps": integer(1)}, ("total_num_steps",)), True),
         "WarmupCosineLR": (Section(cosine, ("total_num_steps",)), True),
+        "OneCycle": (Section(one_cycle, ("cycle_min_lr", "cycle_max_lr")), True),
+        "LRRangeTest": (Section(range_test), False),
     }
 
     def __call__(self, v: Any) -> Any:
@@ -265,7 +379,17 @@ class Scheduler:
         return Section(keys, ("type", "params") if params_required else ("type",))(v)
 
 
-int_auto_or_null = either(integer(), one_of("auto"), null)
+# DeepSpeed's tuning keys in the sections below, by the JSON type each takes.
+ZERO_TUNING = {
+    **{k: tuning("bool") for k in (
+        "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+        "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters")},
+}
+TUNING_PATHS = {f"zero_optimization.{k}" for k in ZERO_TUNING} | {
+    "zero_optimization.offload_optimizer.ratio", "aio.single_submit", "aio.overlap_events", "aio.use_gds",
+    "prescale_gradients", "gradient_predivide_factor", "dump_state", "memory_breakdown",
+}
+int_auto_or_null = either(integer(strings=False), one_of("auto"), null)
 SCHEMA = Section({
     "train_batch_size": int_auto_or_null,
     "train_micro_batch_size_per_gpu": int_auto_or_null,
@@ -273,58 +397,68 @@ SCHEMA = Section({
     "gradient_clipping": real(0.0),
     "optimizer": Optimizer(),
     "scheduler": Scheduler(),
-    "bf16": Section({"enabled": boolean}),
+    "bf16": Section({"enabled": boolean}, auto_is_default=True),
     "fp16": Section({
         "enabled": boolean, "loss_scale": real(0.0), "initial_scale_power": integer(0, 64),
         "loss_scale_window": integer(1), "hysteresis": integer(1), "consecutive_hysteresis": boolean,
         "min_loss_scale": real(0.0, strict=True),
-    }),
-    "zero_optimization": Section({
+    }, auto_is_default=True),
+    "zero_optimization": ZeroSection({
         "stage": integer(0, 3),
         "reduce_bucket_size": integer(1),
         "allgather_bucket_size": integer(1),
         "offload_optimizer": Section({
             "device": one_of("none", "cpu", "nvme"), "nvme_path": either(string, null), "pin_memory": boolean,
             "buffer_count": integer(1), "pipeline_read": boolean, "pipeline_write": boolean,
-            "fast_init": boolean, "ratio": either(deepspeed_default(1.0), deepspeed_default(1)),
-        }, null="defaults"),
+            "fast_init": boolean, "ratio": tuning("float"),
+        }, null="defaults", auto_is_default=True),
         "offload_param": Section({
             "device": one_of("none", "cpu", "nvme"), "nvme_path": either(string, null), "pin_memory": boolean,
             "buffer_count": integer(1), "buffer_size": integer(1), "max_in_cpu": integer(0),
-        }, null="defaults"),
+        }, null="defaults", auto_is_default=True),
         "sub_group_size": integer(1),
         "stage3_prefetch_bucket_size": integer(0),
         "stage3_max_live_parameters": integer(0),
         "stage3_max_reuse_distance": integer(0),
         "stage3_param_persistence_threshold": integer(0),
+        "stage3_gather_16bit_weights_on_model_save": boolean,
         "stage3_rank_agreement_check": one_of("recording", "every_module"),
-        **{k: deepspeed_default(True) for k in (
-            "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-            "load_from_fp32_weights")},
-        **{k: deepspeed_default(False) for k in ("round_robin_gradients", "elastic_checkpoint", "cpu_offload")},
-    }),
-    "aio": Section({
+        **ZERO_TUNING,
+    }, auto_is_default=True),
+    "aio": AioSection({
         "block_size": multiple_of(4096, integer(1, 1 << 30)), "queue_depth": integer(1, 1024),
-        "intra_op_parallelism": integer(1, 64), "single_submit": deepspeed_default(False),
-        "overlap_events": deepspeed_default(True),
-        "use_gds": deepspeed_default(False),
-        "thread_count": either(deepspeed_default(1), deepspeed_default(1.0)),
+        "intra_op_parallelism": integer(1, 64), "single_submit": tuning("bool"),
+        "overlap_events": tuning("bool"), "use_gds": tuning("bool"),
     }, null="defaults"),
     "communication_data_type": either(one_of("fp32", "fp16", "bf16"), null),
     "steps_per_print": integer(1),
     "zero_allow_untested_optimizer": boolean,
-    **{k: deepspeed_default(False) for k in (
-        "prescale_gradients", "sparse_gradients", "dump_state", "memory_breakdown")},
+    **{k: tuning("bool") for k in ("prescale_gradients", "dump_state", "memory_breakdown")},
+    "sparse_gradients": deepspeed_default(False),
     "wall_clock_breakdown": boolean,
-    "gradient_predivide_factor": either(deepspeed_default(1.0), deepspeed_default(1)),
+    "gradient_predivide_factor": tuning("float"),
 })
+# Top-level keys DeepSpeed reads that zcore does not hold (so never dropped
+# as unknown): coercion 11 drops any other.
+DEEPSPEED_TOP_LEVEL = {
+    "zero_force_ds_cpu_optimizer", "disable_allgather", "disable_python_gc", "managed_gradient_accumulation",
+    "dataloader_drop_last", "log_level", "comms_logger", "timers", "autotuning", "comet", "compile", "datastates",
+    "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "activation_checkpointing",
+    "pipeline", "data_types", "gradient_allreduce_op", "torch_autocast", "amp", "hybrid_engine", "elasticity",
+    "data_efficiency", "curriculum_learning", "compression_training", "sparse_attention", "weight_quantization",
+    "tensor_parallel", "expert_parallel", "bfloat16", "checkpoint",
+}
 
 
 def expected_config(raw: Any) -> Any:
     """What load_config must return for `raw` (as nested expected values), or REFUSED."""
+    if isinstance(raw, dict):  # coercion 11
+        raw = {k: v for k, v in raw.items() if k in SCHEMA.keys or k in DEEPSPEED_TOP_LEVEL}
     expected = SCHEMA(raw)
     if expected is REFUSED:
         return REFUSED
+    if expected is GONE:
+        return {}
     enabled = [isinstance(expected.get(s), dict) and expected[s].get("enabled") is True for s in ("bf16", "fp16")]
     if all(enabled):
         return REFUSED  # at most one of bf16 and fp16

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 import zcore
 from zcore.config.schema import load_config
 from config_reference import (
-    BASES, COMPRESSED, EDGES, FLOATS, FUZZ, GONE, HUGE, INTS, KEYS, LEAVES, LIMIT, REFUSED, TEXT, VALUES,
-    assert_holds, expected_config, names, near, problem_lines, refusal, value_at, variants, with_value,
+    BASES, COMPRESSED, EDGES, FLOATS, FUZZ, GONE, HUGE, INTS, KEYS, LEAVES, LIMIT, REFUSED, TEXT, TUNING_PATHS,
+    VALUES, assert_holds, expected_config, json_number, names, near, problem_lines, refusal, value_at, variants,
+    with_value,
 )
 
 
@@ -107,19 +108,19 @@ PER_KEY = settings(FUZZ, max_examples=25)
 
 @over_keys(NUMERIC)
 @PER_KEY
-@given(value=st.booleans() | TEXT.filter(lambda s: s != "auto"))
-def test_booleans_and_strings_are_never_numbers(base, path, value):
+@given(value=st.booleans() | TEXT.filter(lambda s: s != "auto" and json_number(s) is REFUSED))
+def test_booleans_and_strings_without_a_number_are_never_numbers(base, path, value):
     assert names(refusal(with_value(base, path, value)), path)
 
 
 @over_keys(BOOLEAN)
 @PER_KEY
-@given(value=INTS | FLOATS)
-def test_numbers_are_never_booleans(base, path, value):
+@given(value=(INTS | FLOATS).filter(lambda v: v not in (0, 1)))
+def test_numbers_other_than_1_and_0_are_never_booleans(base, path, value):
     assert names(refusal(with_value(base, path, value)), path)
 
 
-@over_keys(LEAVES)
+@over_keys([(base, p) for base, p in LEAVES if p not in TUNING_PATHS])
 @PER_KEY
 @given(value=st.integers(min_value=LIMIT + 1) | st.integers(max_value=-LIMIT - 1) | HUGE)
 def test_integers_past_2_to_the_62_are_never_accepted(base, path, value):

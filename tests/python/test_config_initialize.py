@@ -132,3 +132,22 @@ def test_initialize_refuses_1_bit_and_0_1_adam_under_zero_or_offload_naming_the_
     message = initialize_refusal(config)
     kind = next(kind for kind in COMPRESSED if kind.lower() == section["type"].lower())
     assert kind in message and names(message, key), message
+
+
+def test_initialize_lists_deepspeeds_tuning_keys_once_and_warns_of_keys_nobody_reads(caplog):
+    config = {
+        "train_batch_size": 2, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 2, "overlap_comm": False, "round_robin_gradients": True},
+        "zero_force_ds_cpu_optimizer": False, "comms_config": {"verbose": False},
+    }
+    with caplog.at_level("INFO", logger="zcore"):
+        zcore.initialize(model=torch.nn.Linear(2, 2), config=config)
+    records = [r for r in caplog.records if r.name == "zcore" and "DeepSpeed" in r.getMessage()]
+    warnings = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    infos = [r.getMessage() for r in records if r.levelname == "INFO"]
+    assert len(warnings) == 1 and "'comms_config'" in warnings[0] and "neither DeepSpeed nor zcore" in warnings[0]
+    assert len(infos) == 1
+    for key, instead in [("zero_optimization.overlap_comm", "always overlaps"),
+                         ("zero_optimization.round_robin_gradients", "equal share"),
+                         ("zero_force_ds_cpu_optimizer", "fused CPU Adam")]:
+        assert f"{key} (zcore {instead}" in infos[0] or (key in infos[0] and instead in infos[0]), infos[0]

@@ -70,22 +70,31 @@ def test_config_reference_matches_the_schema():
     )
 
 
-@pytest.mark.parametrize("key, other", sorted(_generator().DEEPSPEED_SPELLINGS.items()))
-def test_other_deepspeed_spellings_are_refused(key, other):
-    """The reference says zcore reads only its own name for these keys."""
-    *parents, leaf = other.split(".")
-    config: dict = {"train_micro_batch_size_per_gpu": 1}
-    section = config
-    for part in parents:
-        section = section.setdefault(part, {})
-    section[leaf] = {} if not parents else 0
-    with pytest.raises(ConfigError, match="unknown key"):
-        load_config(config)
+@pytest.mark.parametrize("key, others", sorted(_generator().DEEPSPEED_SPELLINGS.items()))
+def test_other_deepspeed_spellings_set_the_key_the_reference_says(key, others):
+    def value_at(config):
+        node = load_config(config)
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    default = value_at({"train_micro_batch_size_per_gpu": 1})
+    given = {"enabled": True} if key == "bf16" else (not default) if isinstance(default, bool) else 7
+    for other in others:
+        *parents, leaf = other.split(".")
+        config: dict = {"train_micro_batch_size_per_gpu": 1}
+        section = config
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = given
+        got = value_at(config)
+        assert (got.enabled if key == "bf16" else got) == (True if key == "bf16" else given), other
 
 
-def test_every_unsupported_key_is_listed():
+def test_every_deepspeed_key_that_is_not_zcores_own_is_listed():
     page = (DOCS / "reference" / "config.md").read_text()
-    for key in config_keys.UNSUPPORTED_KEYS:
+    for key in [*config_keys.UNSUPPORTED_KEYS, *config_keys.TUNING_KEYS, *config_keys.ALIASES,
+                *config_keys.OFFLOAD_SWITCHES]:
         assert f"| `{key}` |" in page, key
 
 

@@ -138,8 +138,6 @@ def refused(rank, world, kind):
 
     extra = {"fp16": True} if kind == "fp16" else {"optim": "sgd"} if kind == "optim" else {}
     config = {"train_micro_batch_size_per_gpu": 8} if kind == "batch" else {}
-    if kind == "scheduler":
-        config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
     try:
         ZcoreTrainer(model=model(), args=arguments("unused", MICRO, GAS, **extra),
                      train_dataset=dataset(SAMPLES, 1), eval_dataset=dataset(EVAL_SAMPLES, 2), zcore_config=config)
@@ -150,7 +148,6 @@ def refused(rank, world, kind):
 
 @pytest.mark.parametrize("kind,expected", [
     ("fp16", "set fp16 in the zcore config"),
-    ("scheduler", "the learning-rate schedule is the Trainer's"),
     ("optim", "TrainingArguments.optim 'sgd'"),
     ("batch", "train_micro_batch_size_per_gpu is 8 but the TrainingArguments give 2"),
 ])
@@ -183,6 +180,52 @@ def test_auto_values_come_from_the_training_arguments():
     assert (micro, gas, clipping, bf16) == (MICRO, GAS, 1.0, True)
     # transformers' split: decay on weights, none on biases and norms.
     assert groups == [(5e-3, 0.1, (0.9, 0.999)), (5e-3, 0.0, (0.9, 0.999))]
+
+
+def deepspeed_schedule_and_16bit_save(rank, world, output_dir):
+    from zcore.trainer import ZcoreTrainer
+
+    config = {  # a DeepSpeed template's schedule and save settings, as transformers resolves them
+        "scheduler": {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+            "total_num_steps": "auto", "warmup_type": "linear"}},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto",
+                              "stage3_gather_16bit_weights_on_model_save": True},
+    }
+    args = arguments(output_dir, MICRO, 1, max_steps=6, warmup_steps=3, bf16=True, eval_strategy="no",
+                     save_strategy="no")
+    trainer = ZcoreTrainer(model=model(), args=args, train_dataset=dataset(SAMPLES, 1), zcore_config=config)
+    trainer.train()
+    trainer.save_model(str(output_dir / "final"))
+    zero = trainer.engine.config.zero_optimization
+    lrs = {e["step"]: e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e}
+    buckets = (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, zero.stage3_param_persistence_threshold)
+    return lrs, buckets, trainer.engine.full_state_dict()
+
+
+def test_a_deepspeed_scheduler_section_with_auto_runs_as_deepspeed_schedules_it(tmp_path):
+    lrs, buckets, weights = run_ranks(deepspeed_schedule_and_16bit_save, 1, tmp_path, timeout=TIMEOUT)[0]
+    # DeepSpeed's WarmupDecayLR, filled in as transformers fills it (warm-up
+    # max(1, warmup_steps) = 3 steps to the learning rate, decay to 0 at
+    # max_steps = 6). Optimizer step k runs at the schedule's iteration k - 2
+    # (it starts at -1, warmup_min_lr), and the Trainer logs that lr.
+    peak = 5e-3
+
+    def warmup_decay(iteration):
+        return 0.0 if iteration < 0 else peak * iteration / 3 if iteration < 3 else peak * (6 - iteration) / 3
+
+    expected = {k: warmup_decay(k - 2) for k in range(1, 7)}
+    assert lrs.keys() == expected.keys(), lrs
+    for step, lr in expected.items():
+        assert lrs[step] == pytest.approx(lr, rel=1e-12, abs=1e-15), (step, lrs)
+    assert buckets == (32 * 32, int(0.9 * 32 * 32), 320)  # from n_embd = 32
+    # stage3_gather_16bit_weights_on_model_save: the weights saved in bf16.
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final", torch_dtype="auto")
+    for key, value in loaded.state_dict().items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(value, weights[key].to(torch.bfloat16)), key
 
 
 def skipped_fp16_steps(rank, world):

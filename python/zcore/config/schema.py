@@ -21,78 +21,20 @@ from pydantic import (
     BaseModel,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from zcore.config.keys import UNSUPPORTED_KEYS, show_value, split_unsupported
+from zcore.config.keys import UNSUPPORTED_KEYS, show_value, translate
+from zcore.config.scheduler import SchedulerConfig
 from zcore.config.section import Section
 from zcore.errors import ConfigError
 from zcore.config.optimizer import OptimizerConfig
 
 Auto = Literal["auto"]
-
-
-class WarmupLRParams(Section):
-    warmup_min_lr: float = 0.0
-    # None: the optimizer's lr (DeepSpeed's WarmupLR default).
-    warmup_max_lr: Optional[float] = None
-    warmup_num_steps: int = Field(1000, gt=0)
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
-
-
-class WarmupDecayLRParams(WarmupLRParams):
-    warmup_max_lr: Optional[float] = 0.001
-    total_num_steps: int = Field(gt=0)
-
-
-class WarmupCosineLRParams(Section):
-    total_num_steps: int = Field(gt=0)
-    warmup_min_ratio: float = 0.0
-    warmup_num_steps: int = Field(1000, gt=0)
-    cos_min_ratio: float = 0.0001
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
-
-
-class WarmupLRScheduler(Section):
-    type: Literal["WarmupLR"]
-    params: WarmupLRParams = WarmupLRParams()
-
-
-class WarmupDecayLRScheduler(Section):
-    type: Literal["WarmupDecayLR"]
-    params: WarmupDecayLRParams
-
-
-class WarmupCosineLRScheduler(Section):
-    type: Literal["WarmupCosineLR"]
-    params: WarmupCosineLRParams
-
-
-def _scheduler_type(raw: Any) -> Optional[str]:
-    tag = raw.get("type") if isinstance(raw, dict) else getattr(raw, "type", None)
-    return tag if isinstance(tag, str) else None
-
-
-# A callable discriminator with its own message: pydantic's default message
-# embeds repr() of the type's value, which fails (as an unraisable warning)
-# for a value nested past the recursion limit and echoes a long string whole.
-SchedulerConfig = Annotated[
-    Union[
-        Annotated[WarmupLRScheduler, Tag("WarmupLR")],
-        Annotated[WarmupDecayLRScheduler, Tag("WarmupDecayLR")],
-        Annotated[WarmupCosineLRScheduler, Tag("WarmupCosineLR")],
-    ],
-    Discriminator(
-        _scheduler_type,
-        custom_error_type="scheduler_type",
-        custom_error_message="expected a section whose type is 'WarmupLR', 'WarmupDecayLR' or 'WarmupCosineLR'",
-    ),
-]
 
 
 class BF16Config(Section):
@@ -243,6 +185,19 @@ class FlopsProfilerConfig(Section):
     output_file: Optional[str] = None
 
 
+class OutOfStepCheckConfig(Section):
+    """zcore's own: ranks whose engine calls fell out of step (one rank's
+    call raised and it went on) raise on every rank, naming the rank,
+    instead of waiting until the process group's timeout
+    (zcore.engine.rank_calls)."""
+
+    enabled: bool = True
+    # How long a rank whose call raised waits, at its next call, for every
+    # peer to say where it is (peers stuck in zcore's collectives say so
+    # within a second or two).
+    patience_seconds: float = Field(300.0, gt=0)
+
+
 class ZeroConfig(Section):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
@@ -258,6 +213,10 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    # trainer.save_model() writes the weights in the compute dtype (bf16 or
+    # fp16), as DeepSpeed's Trainer integration does with this key; without
+    # it, zcore writes the fp32 master weights. Streamed either way.
+    stage3_gather_16bit_weights_on_model_save: bool = False
     # When ZeRO-3 checks that every rank is about to gather the same groups
     # (zcore.zero3.recording_checks): "recording" only where no trace foresees the
     # use; "every_module" at every module, which also catches ranks where
@@ -362,7 +321,13 @@ class Config(Section):
     csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
     wandb: WandbConfig = WandbConfig()
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
+    out_of_step_check: OutOfStepCheckConfig = OutOfStepCheckConfig()
     zero_allow_untested_optimizer: bool = False
+    # What became of the DeepSpeed keys that are not zcore's own
+    # (zcore.config.keys): tuning keys zcore decides itself, and top-level
+    # keys neither DeepSpeed nor zcore reads; zcore.initialize reports both.
+    _deepspeed_decided: tuple[str, ...] = PrivateAttr(default=())
+    _ignored_keys: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("aio", mode="before")
     @classmethod
@@ -374,6 +339,29 @@ class Config(Section):
         if self.bf16.enabled and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
         return self
+
+    def ignored_keys_line(self) -> Optional[str]:
+        """The warning for top-level keys neither DeepSpeed nor zcore reads
+        (None without any), with the nearest known key where one is near:
+        DeepSpeed ignores them silently, so a misspelt key would go unseen."""
+        if not self._ignored_keys:
+            return None
+        known = [*Config.model_fields, *(key.split(".")[0] for key in UNSUPPORTED_KEYS)]
+        named = []
+        for key in self._ignored_keys:
+            near = difflib.get_close_matches(key, known, n=1)
+            named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        return (
+            f"zcore: config key(s) {', '.join(named)}: neither DeepSpeed nor zcore reads "
+            f"{'it' if len(named) == 1 else 'them'}; ignored, as DeepSpeed ignores them"
+        )
+
+    def decided_keys_line(self) -> Optional[str]:
+        """The line listing the DeepSpeed tuning keys the config gives, each
+        with what zcore does instead (None without any)."""
+        if not self._deepspeed_decided:
+            return None
+        return "zcore: DeepSpeed config keys zcore decides itself: " + "; ".join(self._deepspeed_decided)
 
     @property
     def records_step_metrics(self) -> bool:
@@ -467,13 +455,16 @@ def load_config(config: Union[Config, dict, str, Path, None]) -> Config:
 
 
 def _validate(raw: dict) -> Config:
-    raw, unsupported = split_unsupported(raw)
-    if unsupported:
-        raise ConfigError("\n".join(unsupported))
+    translation = translate(raw, Config.model_fields)
+    if translation.problems:
+        raise ConfigError("\n".join(translation.problems))
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(translation.config)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+        raise ConfigError(_describe(exc, translation.renamed)) from None
+    config._deepspeed_decided = tuple(translation.decided)
+    config._ignored_keys = tuple(translation.ignored)
+    return config
 
 
 _MAX_CONFIG_FILE = 1 << 20  # bytes; DeepSpeed configs are a few KB
@@ -540,24 +531,33 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return obj
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, renamed: dict[str, str]) -> str:
+    """One line per key in ``exc``, each named as the config wrote it
+    (``renamed``: zcore's key for each DeepSpeed alias the config used)."""
     problems: dict[str, list[str]] = {}
     for err in exc.errors():
         if err["type"] == "extra_forbidden":
             section, model = _walk(err["loc"][:-1])
-            key = ".".join([*section, str(err["loc"][-1])])
+            key = _as_written(".".join([*section, str(err["loc"][-1])]), renamed)
             text = _unknown_key(key, sorted(getattr(model, "model_fields", {})))
         elif err.get("input") == "auto":
-            key = ".".join(_walk(err["loc"])[0])
+            key = _as_written(".".join(_walk(err["loc"])[0]), renamed)
             text = _auto_outside_trainer(key or "config", _default_at(err["loc"]))
         else:
-            key = ".".join(_walk(err["loc"])[0])
+            key = _as_written(".".join(_walk(err["loc"])[0]), renamed)
             text = f"{key or 'config'}: {err['msg']} (got {show_value(err.get('input'))})"
         problems.setdefault(key, []).append(text)
     # A value that fails every branch of a union (an int or "auto", say)
     # gives one error per branch: show them as one line.
     lines = [" / ".join(dict.fromkeys(texts)) for texts in problems.values()]
     return f"invalid zcore config ({len(lines)} problem(s)):\n  " + "\n  ".join(lines)
+
+
+def _as_written(key: str, renamed: dict[str, str]) -> str:
+    for target, alias in renamed.items():
+        if key == target or key.startswith(target + "."):
+            return alias + key[len(target):]
+    return key
 
 
 def _unknown_key(key: str, allowed: list[str]) -> str:
@@ -578,6 +578,10 @@ TRAINER_AUTO_KEYS: dict[str, str] = {
     "optimizer.params.weight_decay": "weight_decay",
     "bf16.enabled": "bf16",
     "fp16.enabled": "false: TrainingArguments.fp16 stays off, zcore's fp16 is set in its config",
+    "scheduler.params.warmup_min_lr": "0",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "scheduler.params.warmup_num_steps": "warmup_steps or warmup_ratio",
+    "scheduler.params.total_num_steps": "max_steps, or the epochs' steps",
 }
 
 

@@ -10,6 +10,7 @@ assemble a training or an inference engine from its parts
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,8 @@ from zcore.parallel.mesh import (
 from zcore.step.precision import precision_from_config
 from zcore.step.sharded_optimizer import ShardedOptimizer
 from zcore.zero3.meta_init import MetaInit, is_meta
+
+log = logging.getLogger("zcore")
 
 # Models wrapped by an engine: their parameters were re-pointed at zcore's
 # buffers and carry its hooks, so a second engine over them would corrupt the first.
@@ -64,7 +67,9 @@ def initialize(
     data loader is None unless ``training_data`` is given, the scheduler None
     unless configured or passed. ``optimizer`` may be None (built from the
     config's ``optimizer`` section), a torch optimizer over the model's
-    parameters (zcore re-points it at the master shards), or a callable that
+    parameters (zcore re-points it at the master shards), a pair of a
+    whole-matrix optimizer (``torch.optim.Muon``, a ``zcore.optim.MatrixOptimizer``)
+    and an element-wise one over the other parameters, or a callable that
     receives parameter groups and returns an optimizer. A model built on
     the meta device (stage 3 only) is materialised straight into shards, as
     ``meta_init`` says (default: each module's reset_parameters()).
@@ -98,6 +103,8 @@ def initialize(
     if not trains:
         _check_inference(cfg, model_parameters, lr_scheduler, tied_parameters)
     context = _join_process_group(dist_init_required)
+    if context.rank == 0:
+        _report_deepspeed_keys(cfg)
     _take_launch_arguments(args, context)
     precision = precision_from_config(cfg)
     if precision.compute_dtype != torch.float32 and not precision.cast_buffers:
@@ -114,6 +121,17 @@ def initialize(
         engine, sharded, scheduler = assemble.inference_engine(parts), None, None
     _WRAPPED.add(model)
     return engine, sharded, assemble.data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), scheduler
+
+
+def _report_deepspeed_keys(cfg: Config) -> None:
+    """Once per run (rank 0): the config's keys that are DeepSpeed's tuning
+    choices, with what zcore does instead, and those nobody reads."""
+    ignored = cfg.ignored_keys_line()
+    if ignored is not None:
+        log.warning(ignored)
+    decided = cfg.decided_keys_line()
+    if decided is not None:
+        log.info(decided)
 
 
 def _config_source(config: Any, config_params: Any, args: Any) -> Any:
@@ -250,8 +268,10 @@ def _check_arguments(
         (
             "optimizer",
             optimizer,
-            optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer),
-            "None, a torch.optim.Optimizer or a callable building one from parameter groups",
+            optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)
+            or (isinstance(optimizer, (tuple, list)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)),
+            "None, a torch.optim.Optimizer, a pair of them (a whole-matrix optimizer such as torch.optim.Muon "
+            "and an element-wise one for the other parameters) or a callable building one from parameter groups",
         ),
         (
             "model_parameters",
