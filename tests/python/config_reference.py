@@ -126,7 +126,12 @@ BASES = {
 #  10. "auto" at any key of zero_optimization (and its offload sections),
 #      fp16 and bf16: dropped (DeepSpeed's default); sub_group_size 0: dropped;
 #  11. a top-level key neither DeepSpeed nor zcore reads: dropped;
-#  12. a section that 6, 9 or 10 leave empty: dropped with them.
+#  12. a section that 6, 9 or 10 leave empty: dropped with them;
+#  13. "zero_optimization": true or false (DeepSpeed's oldest form): stage 1
+#      with allgather_bucket_size from the top-level allgather_size (5e8), or stage 0;
+#  14. steps_per_print Infinity (Accelerate's "never") or null (DeepSpeed's): 2**62;
+#  15. communication_data_type in any case: lower case; an optimizer or
+#      scheduler section whose type is null: dropped.
 # "auto" is accepted as itself where the key allows it.
 REFUSED = object()
 GONE = object()
@@ -216,8 +221,15 @@ def betas(v: Any) -> Any:
 
 
 def optimizer_type(v: Any) -> Any:
-    canonical = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+    canonical = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
+                 "muon": "Muon"}
     return canonical.get(v.lower(), REFUSED) if type(v) is str else REFUSED  # coercion 4
+
+
+def fraction(v: Any) -> Any:
+    """A float in [0, 1)."""
+    e = real()(v)
+    return e if e is not REFUSED and 0.0 <= e < 1.0 else REFUSED
 
 
 def zero(v: Any) -> Any:
@@ -234,7 +246,7 @@ def tuning(kind: str) -> Kind:
     """A DeepSpeed tuning key: any value of its JSON type is dropped (coercion 9)."""
     def check(v: Any) -> Any:
         if kind == "bool":
-            ok = boolean(v) is not REFUSED
+            ok = v is None or boolean(v) is not REFUSED  # null: DeepSpeed's dynamic default
         elif kind == "section":
             ok = v is None or type(v) is dict
         else:
@@ -279,7 +291,7 @@ class ZeroSection(Section):
 
     def expect(self, key: str, x: Any) -> Any:
         if key == "cpu_offload":
-            return GONE if boolean(x) is False else REFUSED  # true was read above
+            return GONE if x is None or boolean(x) is False else REFUSED  # true was read above
         if key == "sub_group_size" and type(x) is not bool and json_number(x) == 0:
             return GONE
         return super().expect(key, x)
@@ -327,11 +339,19 @@ class Optimizer:
             **compressed, "var_freeze_step": integer(0), "var_update_scaler": integer(1),
             "local_step_scaler": integer(1), "local_step_clipper": integer(1),
         }),
+        # DeepSpeed's Muon keys; its Gram Newton-Schulz ("gram") is refused.
+        "Muon": Section({
+            "lr": either(real(0.0, strict=True), null), "muon_lr": either(real(0.0, strict=True), null),
+            "adam_lr": either(real(0.0, strict=True), null), "momentum": fraction, "weight_decay": real(0.0),
+            "betas": betas, "eps": real(0.0, strict=True), "ns_method": one_of("standard"),
+        }),
     }
 
     def __call__(self, v: Any) -> Any:
         if v is None:
             return None
+        if isinstance(v, dict) and "type" in v and v["type"] is None:
+            return GONE  # coercion 15
         kind = optimizer_type(v.get("type")) if type(v) is dict else REFUSED
         if kind is REFUSED:
             return REFUSED
@@ -372,6 +392,8 @@ class Scheduler:
     def __call__(self, v: Any) -> Any:
         if v is None:
             return None
+        if isinstance(v, dict) and "type" in v and v["type"] is None:
+            return GONE  # coercion 15
         if type(v) is not dict or type(v.get("type")) is not str or v["type"] not in self.params:
             return REFUSED
         section, params_required = self.params[v["type"]]
@@ -430,8 +452,10 @@ SCHEMA = Section({
         "intra_op_parallelism": integer(1, 64), "single_submit": tuning("bool"),
         "overlap_events": tuning("bool"), "use_gds": tuning("bool"),
     }, null="defaults"),
-    "communication_data_type": either(one_of("fp32", "fp16", "bf16"), null),
-    "steps_per_print": integer(1),
+    "communication_data_type": either(lambda v: v.lower() if type(v) is str and v.lower() in ("fp32", "fp16", "bf16")
+                                      else REFUSED, null),
+    "steps_per_print": either(integer(1), lambda v: LIMIT if v is None or (type(v) is float and v == math.inf)
+                              else REFUSED),
     "zero_allow_untested_optimizer": boolean,
     **{k: tuning("bool") for k in ("prescale_gradients", "dump_state", "memory_breakdown")},
     "sparse_gradients": deepspeed_default(False),
@@ -452,6 +476,10 @@ DEEPSPEED_TOP_LEVEL = {
 
 def expected_config(raw: Any) -> Any:
     """What load_config must return for `raw` (as nested expected values), or REFUSED."""
+    if isinstance(raw, dict) and type(raw.get("zero_optimization")) is bool:  # coercion 13
+        switch = raw["zero_optimization"]
+        zero = {"stage": 1, "allgather_bucket_size": raw.get("allgather_size", 500_000_000)} if switch else {"stage": 0}
+        raw = {**{k: v for k, v in raw.items() if k != "allgather_size"}, "zero_optimization": zero}
     if isinstance(raw, dict):  # coercion 11
         raw = {k: v for k, v in raw.items() if k in SCHEMA.keys or k in DEEPSPEED_TOP_LEVEL}
     expected = SCHEMA(raw)
@@ -576,6 +604,8 @@ def key_paths(config: dict, prefix: str = "") -> list[str]:
 
 def value_at(config: dict, path: str) -> Any:
     for key in path.split("."):
+        if config is GONE:
+            return GONE  # a section dropped whole
         config = config[key]
     return config
 

@@ -224,7 +224,7 @@ def test_integral_floats_are_the_integers_deepspeed_configs_write():
         (b"null", "holds a JSON NoneType"),
         (b'"stage 3"', "holds a JSON str"),
         (b"42", "holds a JSON int"),
-        (b'{"train_batch_size": 8,}', "not valid JSON: .*line 1 column"),
+        (b'{"train_batch_size": 8 "x": 1}', "not valid JSON: .*line 1 column.*nor hjson"),
         (b'{"train_batch_size": 8, "x": "\xff\xfe"}', "not UTF-8 text"),
     ],
 )
@@ -610,3 +610,22 @@ def test_the_trainer_sizes_auto_buckets_from_the_hidden_size_as_transformers_doe
     assert "stage3_prefetch_bucket_size" not in zero.model_fields_set  # stage 2: DeepSpeed's default
     with pytest.raises(zcore.ConfigError, match="hidden size.*put a number there"):
         _config_from(args, {"zero_optimization": {"stage": 2, **auto}}, 1, torch.nn.Linear(2, 2))
+
+
+def test_a_file_json_cannot_read_is_read_as_deepspeed_reads_it_with_hjson(tmp_path):
+    """Templates that frameworks ship with a trailing or a missing comma at a
+    line's end, and comments: DeepSpeed reads them (hjson), so zcore does."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  # ZeRO-2\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2,}\n  "steps_per_print": 5\n}\n')
+    cfg = load_config(path)
+    assert (cfg.train_batch_size, cfg.zero_optimization.stage, cfg.steps_per_print) == (8, 2, 5)
+
+
+def test_deepspeeds_oldest_zero_switch_is_read_as_deepspeed_reads_it():
+    cfg = load_config({**BASE, "zero_optimization": True, "allgather_size": 2e8})
+    assert (cfg.zero_optimization.stage, cfg.zero_optimization.allgather_bucket_size) == (1, 200_000_000)
+    assert load_config({**BASE, "zero_optimization": False}).zero_optimization.stage == 0
+
+
+def test_steps_per_print_infinity_as_accelerate_writes_it_never_prints():
+    assert load_config({**BASE, "steps_per_print": float("inf")}).steps_per_print >= 2**62

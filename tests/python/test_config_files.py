@@ -1,11 +1,12 @@
 """The config file as untrusted input, fuzzed with hypothesis: arbitrary
 bytes as the config file (near-valid ones among them), files that break JSON
-readers, and arbitrary text as its path. Each either loads as the JSON object
+readers, and arbitrary text as its path. A file JSON cannot read is read as
+DeepSpeed reads config files, with hjson. Each either loads as the JSON object
 it holds would or raises zcore's error naming the file; nothing else escapes.
 
 What is accepted, and as what, is stated on its own in config_reference.py
-and here (a file is at most 1 MiB of UTF-8 holding one JSON object without
-repeated keys), not read from zcore.
+and here (a file is at most 1 MiB of UTF-8 holding one JSON (or hjson) object
+without repeated keys), not read from zcore.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import hjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -65,12 +67,19 @@ def no_duplicates(pairs: list) -> dict:
 
 
 def expected_from_file(data: bytes) -> Any:
-    """A config file is at most 1 MiB of UTF-8 (no BOM) holding one JSON
-    object without repeated keys; then it loads as that object would."""
+    """A config file is at most 1 MiB of UTF-8 holding one object without
+    repeated keys, in JSON or, where JSON cannot read it, in hjson (as
+    DeepSpeed reads config files); then it loads as that object would."""
     if len(data) > 1 << 20:
         return REFUSED
     try:
-        raw = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
+        text = data.decode("utf-8")
+        raw = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError:
+        try:
+            raw = hjson.loads(text, object_pairs_hook=no_duplicates)
+        except Exception:  # hjson fails in many ways; each is a refusal
+            return REFUSED
     except (ValueError, RecursionError):
         return REFUSED
     return expected_config(raw) if isinstance(raw, dict) else REFUSED

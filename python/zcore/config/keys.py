@@ -19,6 +19,7 @@ zcore, with a warning naming it (``Translation.ignored``).
 
 from __future__ import annotations
 
+import json
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -26,7 +27,20 @@ from typing import Any, Iterable, Optional
 from zcore.config.section import boolean_of, number_in_string
 
 _ANY = object()  # refused whatever the value
-_DISABLED = object()  # a section: accepted while its "enabled" is false or absent
+
+
+@dataclass(frozen=True)
+class _Off:
+    """A section accepted while its switch ``key`` is absent or one of ``off``."""
+
+    key: str
+    off: tuple[Any, ...]
+
+    def __str__(self) -> str:
+        return " or ".join(f'`"{self.key}": {json.dumps(value)}`' for value in self.off)
+
+
+_DISABLED = _Off("enabled", (False,))
 
 # DeepSpeed's other names for zcore's keys (DeepSpeed's pydantic aliases,
 # and its deprecated names that it reads as the new one).
@@ -81,6 +95,8 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.pipeline_loading_checkpoint": ("bool", "zcore loads checkpoints shard by shard"),
     "zero_optimization.override_module_apply": ("bool", "zcore gathers for module.apply through GatheredParameters"),
     "zero_optimization.log_trace_cache_warnings": ("bool", "zcore checks its traces itself"),
+    "zero_optimization.compute_grad_norm": (
+        "bool", "zcore computes the gradient norm where clipping or a monitor needs it"),
     "zero_optimization.enable_sanity_checks": (
         "bool", "zcore checks that ranks agree (stage3_rank_agreement_check: every_module checks at every module)"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": ("bool", "zcore keeps optimizer states as it offloads them"),
@@ -92,6 +108,9 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "prescale_gradients": ("bool", "zcore averages gradients in one reduction; the result is the same"),
     "gradient_predivide_factor": ("float", "zcore averages gradients in one reduction; the result is the same"),
     "disable_allgather": ("bool", "zcore's collectives are its own"),
+    "vocabulary_size": ("any", "DeepSpeed only warns with it; zcore takes the model as it is"),
+    "allgather_size": ("int", "DeepSpeed reads it only with \"zero_optimization\": true; so does zcore"),
+    "datastates_ckpt": ("any", "zcore writes checkpoints with its own writer"),
     "disable_python_gc": ("any", "zcore leaves Python's garbage collector to the user"),
     "managed_gradient_accumulation": ("bool", "zcore's engine.backward and step count the accumulation"),
     "dataloader_drop_last": ("bool", "zcore.initialize(training_data=...) keeps DistributedSampler's default"),
@@ -116,7 +135,7 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "checkpoint.use_node_local_storage": ("bool", "every rank writes to the one checkpoint directory"),
     "checkpoint.parallel_write": (
         "section", "each rank of every pipeline stage writes its own shards of one checkpoint already"),
-    "checkpoint.serialization": ("any", "zcore writes its own tensor files"),
+    "checkpoint.checkpoint_serialization": ("any", "zcore writes its own tensor files"),
     "checkpoint.writer": ("section", "zcore writes checkpoints with its own writer"),
     "activation_checkpointing": (
         "section",
@@ -156,9 +175,12 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "sparse_attention": (_ANY, "not supported"),
     "weight_quantization": (_ANY, "not supported"),
     "tensor_parallel": (
-        _ANY, "zcore composes with torch's tensor parallelism through a device_mesh with a \"tp\" dimension "
+        _Off("autotp_size", (0, 1)), "zcore composes with torch's tensor parallelism through a device_mesh with a \"tp\" dimension "
               "(docs/guide/parallelism.md), not DeepSpeed's AutoTP"),
-    "expert_parallel": (_ANY, "expert parallelism is not supported"),
+    "expert_parallel": (_DISABLED, "expert parallelism is not supported"),
+    "sequence_parallel_size": (
+        1, "zcore has no sequence parallelism: every rank is a data-parallel rank, so the batch sizes would "
+           "differ from DeepSpeed's"),
 }
 
 # The sections DeepSpeed reads with its pydantic models, which take "auto"
@@ -187,6 +209,8 @@ def translate(raw: dict, top_level: Iterable[str]) -> Translation:
     zcore's schema, beside which every top-level key this module knows is
     DeepSpeed's."""
     result = Translation(dict(raw))
+    _drop_untyped_sections(result)
+    _read_zero_switch(result)
     _rename_aliases(result)
     _switch_offload(result)
     _drop_auto(result)
@@ -197,6 +221,32 @@ def translate(raw: dict, top_level: Iterable[str]) -> Translation:
     for key in result.ignored:
         del result.config[key]
     return result
+
+
+def _drop_untyped_sections(result: Translation) -> None:
+    """An optimizer or scheduler section whose type is null configures
+    none, as in DeepSpeed (its default type is null)."""
+    for key in ("optimizer", "scheduler"):
+        section = result.config.get(key)
+        if isinstance(section, dict) and "type" in section and section["type"] is None:
+            del result.config[key]
+            result.decided.append(f"{key}.type = null (no {key} from the config, as in DeepSpeed)")
+
+
+def _read_zero_switch(result: Translation) -> None:
+    """DeepSpeed's oldest form, ``"zero_optimization": true``: stage 1 (0
+    for false), with the all-gather bucket from the top-level
+    ``allgather_size``, as DeepSpeed 0.19.8 still reads it."""
+    switch = result.config.get("zero_optimization")
+    if not isinstance(switch, bool):
+        return
+    zero: dict[str, Any] = {"stage": 1 if switch else 0}
+    if switch:
+        zero["allgather_bucket_size"] = result.config.get("allgather_size", 500_000_000)
+    result.config.pop("allgather_size", None)
+    result.config["zero_optimization"] = zero
+    result.decided.append(f"zero_optimization = {str(switch).lower()} (DeepSpeed's deprecated form: read as stage "
+                          f"{zero['stage']})")
 
 
 def _rename_aliases(result: Translation) -> None:
@@ -230,7 +280,7 @@ def _switch_offload(result: Translation) -> None:
         problem = kind_problem(value, "bool")
         if problem is not None:
             result.problems.append(f"{switch}: {problem} (got {show_value(value)})")
-        elif as_bool(value):
+        elif value is not None and as_bool(value):
             if _get(result.config, section)[0]:
                 result.problems.append(
                     f"config keys {switch!r} (DeepSpeed's deprecated switch) and {section!r} both offload; "
@@ -331,11 +381,17 @@ def _copied_section(config: dict, parents: list[str]) -> Optional[dict]:
 def _is_default(value: Any, default: Any) -> bool:
     if default is _ANY:
         return False
-    if default is _DISABLED:
-        enabled = value.get("enabled", False) if isinstance(value, dict) else None
-        return kind_problem(enabled, "bool") is None and not as_bool(enabled)
+    if isinstance(default, _Off):
+        if not isinstance(value, dict):
+            return False
+        switch = value.get(default.key, default.off[0])
+        if isinstance(default.off[0], bool):
+            return boolean_of(switch) in default.off
+        return kind_problem(switch, "int") is None and as_number(switch) in default.off
     if isinstance(default, bool):
-        return kind_problem(value, "bool") is None and as_bool(value) is default
+        return boolean_of(value) is default
+    if isinstance(default, int):
+        return kind_problem(value, "int") is None and as_number(value) == default
     if isinstance(default, str):  # DeepSpeed reads these in any case
         return isinstance(value, str) and value.lower() == default
     return value is default  # None
@@ -351,7 +407,8 @@ def kind_problem(value: Any, kind: str) -> Optional[str]:
     if kind == "str":
         return None if isinstance(value, str) else "expected a string"
     if kind == "bool":
-        return None if boolean_of(value) is not None else "not a boolean; use true or false (or 1 or 0)"
+        # null: DeepSpeed's dynamic default for the switches typed bool|null.
+        return None if value is None or boolean_of(value) is not None else "not a boolean; use true or false (or 1 or 0)"
     number = number_in_string(value) if isinstance(value, str) else value
     if isinstance(number, bool) or not isinstance(number, (int, float)):
         return "expected a number"

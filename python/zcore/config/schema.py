@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import stat
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 
+import hjson
 from pydantic import (
     BaseModel,
     Discriminator,
@@ -30,7 +32,7 @@ from pydantic import (
 
 from zcore.config.keys import UNSUPPORTED_KEYS, show_value, translate
 from zcore.config.scheduler import SchedulerConfig
-from zcore.config.section import Section
+from zcore.config.section import MAX_CONFIG_INT, Section
 from zcore.errors import ConfigError
 from zcore.config.optimizer import OptimizerConfig
 
@@ -329,6 +331,19 @@ class Config(Section):
     _deepspeed_decided: tuple[str, ...] = PrivateAttr(default=())
     _ignored_keys: tuple[str, ...] = PrivateAttr(default=())
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, v: Any) -> Any:
+        # Accelerate writes Infinity (JSON's extension) to mean never, and
+        # DeepSpeed's own default, null, means never too: a step count no run
+        # reaches is the same.
+        return MAX_CONFIG_INT if v is None or (isinstance(v, float) and v == math.inf) else v
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # as DeepSpeed reads it
+
     @field_validator("aio", mode="before")
     @classmethod
     def _null_aio(cls, v: Any) -> Any:
@@ -504,14 +519,32 @@ def read_config_file(path: Path) -> dict:
         raise ConfigError(f"config file {name} {exc}") from None
     except RecursionError:
         raise ConfigError(f"config file {name} is not valid JSON: nested too deeply") from None
-    except ValueError as exc:
-        reason = exc if isinstance(exc, json.JSONDecodeError) else "a number with too many digits"
-        raise ConfigError(f"config file {name} is not valid JSON: {reason}") from None
+    except json.JSONDecodeError as exc:
+        raw = _read_as_hjson(text, name, exc)
+    except ValueError:
+        raise ConfigError(f"config file {name} is not valid JSON: a number with too many digits") from None
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config file {name} holds a JSON {type(raw).__name__}; a zcore (DeepSpeed) config is a JSON object"
         )
     return raw
+
+
+def _read_as_hjson(text: str, name: str, json_error: json.JSONDecodeError) -> Any:
+    """A file JSON cannot read, read as DeepSpeed reads config files: with
+    hjson, which takes trailing commas, missing commas at line ends and
+    comments (as some frameworks' templates have them)."""
+    try:
+        return hjson.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except _DuplicateKeyError as exc:
+        raise ConfigError(f"config file {name} {exc}") from None
+    # hjson's parser fails on untrusted text in several ways (its decode
+    # error, an overflow, a recursion past the stack): each is the same
+    # verdict, reported with JSON's more precise position.
+    except Exception:
+        raise ConfigError(
+            f"config file {name} is not valid JSON: {json_error} (nor hjson, which DeepSpeed also reads)"
+        ) from None
 
 
 class _DuplicateKeyError(ValueError):
