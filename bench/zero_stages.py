@@ -9,7 +9,14 @@ in how they shard, reduce and gather). Each system runs in a fresh pair of
 processes; the table shows the median step time over the timed steps and
 each rank's peak RSS. A system that fails is shown with its error.
 
-    python bench/zero_stages.py [--steps 8] [--warmup 2] [--repeats 1]
+    python bench/zero_stages.py [--steps 8] [--warmup 2] [--repeats 1] [--systems ...]
+
+``zcore-N-unchecked`` (not run by default) is zcore at stage N without the
+check that the ranks make their calls in step (``out_of_step_check``,
+zcore.engine.rank_calls); beside ``zcore-N`` in interleaved rounds it
+gives what the check costs per step:
+
+    python bench/zero_stages.py --systems zcore-2 zcore-2-unchecked zcore-3 zcore-3-unchecked --repeats 3
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ SYSTEMS = [
     "zcore-0", "zcore-1", "zcore-2", "zcore-3",
     "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3",
 ]
+UNCHECKED = [f"zcore-{stage}-unchecked" for stage in range(4)]
 MICRO_BATCH = 4
 
 
@@ -79,6 +87,8 @@ def _build(system: str, model, world: int):
     if system.startswith("zcore"):
         import zcore
 
+        if system.endswith("-unchecked"):
+            config["out_of_step_check"] = {"enabled": False}
         engine, *_ = zcore.initialize(model=model, config=config, optimizer=opt)
     else:
         import deepspeed
@@ -127,7 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds over all systems")
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + UNCHECKED)
     args = parser.parse_args()
 
     runs, failed = interleaved_rounds(

@@ -93,6 +93,13 @@ DESCRIPTIONS: dict[str, str] = {
         "For type `Adam`: decoupled weight decay (AdamW), DeepSpeed's default; false gives torch.optim.Adam's "
         "L2 penalty. Type `AdamW` is always decoupled."
     ),
+    "AdamParams.bias_correction": (
+        "DeepSpeed's fused and CPU Adam take it; zcore's Adam always corrects the moments' bias, so only "
+        "`true` is accepted."
+    ),
+    "AdamParams.fp32_optimizer_states": (
+        "DeepSpeed's CPU Adam takes it; zcore keeps Adam's states in fp32, so only `true` is accepted."
+    ),
     "AdamParams.torch_adam": (
         "Steps with torch's Adam/AdamW instead of zcore's fused CPU Adam when the optimizer states are in "
         "host memory. Refused with the states on NVMe, which only the fused CPU Adam streams."
@@ -134,6 +141,23 @@ DESCRIPTIONS: dict[str, str] = {
         "After the variance freezes: local steps per synchronisation interval before the interval doubles."
     ),
     "ZeroOneAdamParams.local_step_clipper": "The longest synchronisation interval, in steps.",
+    "MuonConfig.type": (
+        "`Muon`: torch.optim.Muon's update for the parameters of two or more dimensions whose names hold neither "
+        "`embed` nor `lm_head` (a `use_muon` attribute set on a parameter decides instead), AdamW for the others, "
+        "as DeepSpeed splits them; each matrix is stepped whole by one rank (owner compute). Stages 0 to 3, the "
+        "optimizer on the device or the host; not on NVMe, nor with tensor or pipeline parallelism, yet."
+    ),
+    "MuonParams.lr": "Learning rate of both halves, unless `muon_lr` or `adam_lr` sets one (DeepSpeed: 0.02 and 3e-4).",
+    "MuonParams.muon_lr": "Muon's learning rate, before torch's adjustment for the matrix's shape.",
+    "MuonParams.adam_lr": "AdamW's learning rate.",
+    "MuonParams.momentum": "Muon's momentum, with Nesterov's blend, as torch.optim.Muon.",
+    "MuonParams.weight_decay": "Decoupled weight decay of both halves.",
+    "MuonParams.betas": "AdamW's coefficients for the running averages of the gradient and its square.",
+    "MuonParams.eps": "AdamW's term added to the denominator.",
+    "MuonParams.ns_method": (
+        "`standard`: torch.optim.Muon's quintic Newton-Schulz iteration in bfloat16. DeepSpeed's default "
+        "`gram` (Gram Newton-Schulz in fp16) is refused."
+    ),
     # scheduler
     "WarmupLRScheduler.type": "`WarmupLR`: warm up from `warmup_min_lr` to `warmup_max_lr`, then hold.",
     "WarmupDecayLRScheduler.type": "`WarmupDecayLR`: WarmupLR's warm-up, then linear decay to 0 at `total_num_steps`.",
@@ -405,6 +429,10 @@ SECTION_DESCRIPTIONS: dict[str, str] = {
     "zero_optimization": "The ZeRO stage, its buckets and budgets, offload, ZeRO++ and MiCS.",
     "zero_optimization.offload_optimizer": "Where the fp32 master weights and the optimizer states live (stages 1-3).",
     "zero_optimization.offload_param": "Where each rank's parameter shards rest between uses (stage 3 only).",
+    "zero_optimization.leaf_module": (
+        "Stage 3: the modules gathered whole when entered (leaf modules), marked at `zcore.initialize` as "
+        "`zcore.set_z3_leaf_modules` marks them. Each list also takes a single string."
+    ),
     "aio": "The asynchronous I/O engine behind NVMe offload (the swap files); checkpoints tune their own I/O.",
     "checkpoint": "Checkpoint saving and loading.",
     "tensorboard": "Step metrics as TensorBoard event files in `output_path/job_name` (rank 0).",
@@ -663,6 +691,8 @@ def _type_name(annotation: Any) -> str:
         return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
     if origin is tuple:
         return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    if origin is list:
+        return f"list of {_type_name(args[0])}s"
     raise TypeError(f"no text for the type {annotation!r}: teach {Path(__file__).name} its name")
 
 
@@ -760,8 +790,8 @@ def render_unsupported() -> str:
     for key, (default, reason) in config_keys.UNSUPPORTED_KEYS.items():
         if default is config_keys._ANY:
             accepted = "*any value refused*"
-        elif default is config_keys._DISABLED:
-            accepted = "`\"enabled\": false`"
+        elif isinstance(default, config_keys._Off):
+            accepted = str(default)
         else:
             accepted = f"`{json.dumps(default)}`"
         lines.append(f"| `{key}` | {accepted} | {_cell(_sentence(reason))} |")

@@ -7,6 +7,7 @@ package wires it into PyTorch.
 import zcore._C  # noqa: F401 - the native module loads with the package
 from zcore.memory.aio import AioEngine, IoHandle
 from zcore.memory.arena import Arena, Block
+from zcore.checkpoint.deepspeed_format import load_deepspeed_checkpoint
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
 from zcore.config.schema import Config
 from zcore.engine.engine import Engine
@@ -32,13 +33,19 @@ from zcore.errors import (
     ZcoreError,
 )
 from zcore.plan.estimate import estimate_memory
-from zcore.engine.gathered_parameters import GatheredParameters, register_external_parameter
+from zcore.engine.gathered_parameters import (
+    GatheredParameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from zcore.memory.host_memory import HostMemory
 from zcore.engine.initialize import initialize
 from zcore.plan.recommend import recommend_config
 from zcore.zero3.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
 from zcore.memory.swap import SwapManager
+from zcore.zero3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+import zcore.zero  # noqa: F401 - DeepSpeed's deepspeed.zero names, as zcore.zero
 
 __version__ = "0.1.0"
 
@@ -76,11 +83,17 @@ __all__ = [
     "cuda_available",
     "cuda_unavailable_reason",
     "estimate_memory",
+    "get_z3_leaf_modules",
     "initialize",
+    "load_deepspeed_checkpoint",
     "load_pretrained",
     "recommend_config",
     "register_external_parameter",
     "save_pretrained",
+    "set_z3_leaf_modules",
+    "unregister_external_parameter",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
 ]
 
 # Public objects name the path users import them from (as torch's FSDP2

@@ -10,11 +10,40 @@ import sys
 
 def demo(args: argparse.Namespace, rest: list[str]) -> int:
     """Starts the demo's ranks through torch's own launcher."""
+    nproc = args.nproc if args.nproc is not None else min(2, runnable_ranks()[0])
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", "-m", "zcore.demo.train", *rest,
+        f"--nproc_per_node={nproc}", "-m", "zcore.demo.train", *rest,
     ]
     return subprocess.call(command)
+
+
+def runnable_ranks() -> tuple[int, str]:
+    """How many local ranks this machine runs, and why: one per GPU where
+    CUDA is usable (the ranks take NCCL, one device each), else one per
+    CPU this process may use (gloo ranks)."""
+    import torch
+
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return gpus, f"one per GPU, and it has {gpus}"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus, f"one per CPU without a GPU, and this process may use {cpus}"
+
+
+def local_ranks(minimum: int):
+    """An argparse type: a number of local ranks to start, ``minimum`` or
+    more and no more than the machine runs (``runnable_ranks``): checked
+    before torch's launcher, which would fail with a bare AssertionError."""
+
+    def parse(text: str) -> int:
+        value = at_least(minimum)(text)
+        most, why = runnable_ranks()
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{value} processes: this machine runs at most {most} ({why})")
+        return value
+
+    return parse
 
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -51,6 +80,19 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert(args: argparse.Namespace) -> int:
+    from zcore.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
+    from zcore.errors import ZcoreError
+
+    try:
+        tag_dir = convert_deepspeed_checkpoint(args.source, args.destination, tag=args.tag)
+    except (ZcoreError, OSError) as exc:  # a bad checkpoint or output directory: the message says which
+        print(f"zcore convert: {exc}", file=sys.stderr)
+        return 1
+    print(tag_dir)
+    return 0
+
+
 def plot(args: argparse.Namespace) -> int:
     from zcore.errors import InvalidArgumentError
     from zcore.observe.plot import write_plots
@@ -74,7 +116,7 @@ def at_least(minimum: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}, the least this takes")
         return value
 
     return parse
@@ -253,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "metrics as CSV files for zcore plot)"
     )
     demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
-    demo_parser.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    demo_parser.add_argument("--nproc", type=local_ranks(1), default=None,
+                             help="local ranks, at most one per GPU, or per CPU without one (default 2, or 1 "
+                                  "where the machine runs one)")
     merge = commands.add_parser(
         "consolidate",
         help="write a sharded checkpoint as one state dict (safetensors), streaming tensor by tensor",
@@ -264,6 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="floating-point dtype (default fp32)")
     merge.add_argument("--max-shard-size", type=size_argument, default=5 * 2**30,
                        help="largest output file, e.g. 5GB or 2GiB (default 5GiB)")
+    converting = commands.add_parser(
+        "convert",
+        help="write a DeepSpeed ZeRO checkpoint as a zcore checkpoint (loadable at any world size), one "
+             "rank file at a time",
+    )
+    converting.add_argument("--from", dest="source_format", choices=["deepspeed"], required=True,
+                            help="the format of SRC: deepspeed (a directory DeepSpeed's save_checkpoint wrote)")
+    converting.add_argument("source", metavar="SRC", help="the directory given to DeepSpeed's save_checkpoint")
+    converting.add_argument("destination", metavar="DST", help="the directory for the zcore checkpoint")
+    converting.add_argument("--tag", default=None, help="tag to convert (default: the one in SRC/latest)")
     pictures = commands.add_parser(
         "plot",
         help="draw PNGs of a csv_monitor run: loss and learning rate, throughput, step-time split, memory",
@@ -276,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         help="measure all-gather and reduce-scatter bandwidth by message size; report the bucket size "
              "at 90%% of peak",
     )
-    bench.add_argument("--nproc", type=at_least(2), default=2,
+    bench.add_argument("--nproc", type=local_ranks(2), default=2,
                        help="local ranks to start (default 2; ignored under torchrun, which sets the ranks)")
     # Not --min/--max: torch's launcher would take --max for its own --max-restarts.
     bench.add_argument("--min-size", type=size_argument, default=64 * 2**10,
@@ -297,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The subcommands other than the demo, by name.
-_COMMANDS = {"consolidate": consolidate, "plot": plot, "bench-comm": bench_comm, "estimate": estimate}
+_COMMANDS = {"consolidate": consolidate, "convert": convert, "plot": plot, "bench-comm": bench_comm, "estimate": estimate}
 
 if __name__ == "__main__":
     sys.exit(main())

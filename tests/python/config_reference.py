@@ -297,28 +297,6 @@ class ZeroSection(Section):
         return super().expect(key, x)
 
 
-def same_value(a: Any, b: Any) -> bool:
-    return a is b if bool in (type(a), type(b)) else a == b
-
-
-class AioSection(Section):
-    """aio: thread_count is DeepSpeed's older name of intra_op_parallelism;
-    both given must agree, and the older name's value is the one read."""
-
-    def __call__(self, v: Any) -> Any:
-        if not (isinstance(v, dict) and "thread_count" in v):
-            return super().__call__(v)
-        if "intra_op_parallelism" in v and not same_value(v["intra_op_parallelism"], v["thread_count"]):
-            return REFUSED
-        expected = super().__call__({k: x for k, x in v.items() if k != "thread_count"})
-        if expected is REFUSED:
-            return REFUSED
-        read = self.keys["intra_op_parallelism"](v["thread_count"])
-        if read is REFUSED:
-            return REFUSED
-        return {**({} if expected is GONE else expected), "intra_op_parallelism": read, "thread_count": GONE}
-
-
 class Optimizer:
     """The optimizer's type picks its params' keys."""
 
@@ -409,6 +387,7 @@ ZERO_TUNING = {
 }
 TUNING_PATHS = {f"zero_optimization.{k}" for k in ZERO_TUNING} | {
     "zero_optimization.offload_optimizer.ratio", "aio.single_submit", "aio.overlap_events", "aio.use_gds",
+    "aio.thread_count",
     "prescale_gradients", "gradient_predivide_factor", "dump_state", "memory_breakdown",
 }
 int_auto_or_null = either(integer(strings=False), one_of("auto"), null)
@@ -447,10 +426,10 @@ SCHEMA = Section({
         "stage3_rank_agreement_check": one_of("recording", "every_module"),
         **ZERO_TUNING,
     }, auto_is_default=True),
-    "aio": AioSection({
+    "aio": Section({
         "block_size": multiple_of(4096, integer(1, 1 << 30)), "queue_depth": integer(1, 1024),
         "intra_op_parallelism": integer(1, 64), "single_submit": tuning("bool"),
-        "overlap_events": tuning("bool"), "use_gds": tuning("bool"),
+        "overlap_events": tuning("bool"), "use_gds": tuning("bool"), "thread_count": tuning("int"),
     }, null="defaults"),
     "communication_data_type": either(lambda v: v.lower() if type(v) is str and v.lower() in ("fp32", "fp16", "bf16")
                                       else REFUSED, null),

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 _FORKSERVER = mp.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch", "zcore"])
+_FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "zcore"])
 
 
 def _rank_main(fn, rank, world_size, port, results, args, launcher, environment) -> None:

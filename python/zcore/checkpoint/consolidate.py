@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from zcore import arguments
 from zcore.checkpoint import durable
 from zcore.checkpoint.layout import TensorInfo, tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
@@ -41,6 +42,7 @@ def consolidate(
     master weights), others as saved. Load with
     ``safetensors.torch.load_file`` and ``model.load_state_dict``. With
     ``progress``, a bar on stderr when it is a terminal (zcore.progress)."""
+    dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"the checkpoint directory {checkpoint_dir} does not exist (or is not a directory)")
     tag_dir = resolve(checkpoint_dir, tag)
@@ -57,13 +59,13 @@ def consolidate(
     names = weight_file_names(len(files))
     out = Path(output_dir)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    durable.make_dir(out, parents=True, exist_ok=True)
     # Written aside and published as save_pretrained does: a failed run
     # leaves the directory as it was, and a new split replaces the old one
     # whole (loaders would read stale files or a stale index).
     staging = staging_directory(out, "consolidating")
     try:
-        staging.mkdir()
+        durable.make_dir(staging)
         _write(tag_dir, meta, infos, keys, staging, names, files, progress)
         if len(files) > 1:
             write_index(staging, names, files)

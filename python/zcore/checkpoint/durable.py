@@ -28,15 +28,58 @@ from zcore.errors import CheckpointCorruptError, DiskFullError, DiskIOError
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _io_error(exc: OSError, path: Path, doing: str) -> DiskIOError:
-    if exc.errno in _NO_SPACE:
-        return DiskFullError(
-            f"no space left on the device {doing} {path}: free space or save elsewhere; "
-            "checkpoints already written are untouched",
-            path=str(path),
-            errno=exc.errno,
-        )
-    return DiskIOError(f"{doing} {path} failed: {exc.strerror}", path=str(path), errno=exc.errno)
+def io_error(exc: OSError, path: Path, doing: str, needs: Optional[int] = None) -> DiskIOError:
+    """The error for ``exc``, raised ``doing`` (words such as "writing")
+    ``path``: every file and directory a checkpoint writes maps its errors
+    here. A full disk (or quota, or file size limit) is a DiskFullError
+    naming the path, the bytes the request ``needs`` where known and those
+    free on its filesystem; another failure a DiskIOError."""
+    if exc.errno not in _NO_SPACE:
+        return DiskIOError(f"{doing} {path} failed: {exc.strerror}", path=str(path), errno=exc.errno)
+    free = _free_bytes(path)
+    figures = [f"it needs {needs} bytes" if needs is not None else None,
+               f"its filesystem has {free} bytes free" if free is not None else None]
+    said = ", ".join(f for f in figures if f)
+    return DiskFullError(
+        f"no space left on the device {doing} {path} ({exc.strerror}{'; ' + said if said else ''}): free "
+        "space or save elsewhere; checkpoints already written are untouched",
+        path=str(path),
+        errno=exc.errno,
+        required=needs,
+        available=free,
+    )
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem
+    (of its nearest existing directory); None where it cannot be asked."""
+    for where in (path, *path.parents):
+        try:
+            fs = os.statvfs(where)
+        except OSError:
+            continue
+        return fs.f_bavail * fs.f_frsize
+    return None
+
+
+def _block_bytes(path: Path) -> Optional[int]:
+    """The bytes one new directory or file entry takes at least: a block of
+    the filesystem ``path`` will be on."""
+    for where in path.parents:
+        try:
+            return os.statvfs(where).f_frsize
+        except OSError:
+            continue
+    return None
+
+
+def make_dir(path: Path, parents: bool = False, exist_ok: bool = False) -> None:
+    """``path`` created, as Path.mkdir with these options; its failure
+    mapped by ``io_error`` (a directory takes a block of the filesystem)."""
+    try:
+        path.mkdir(parents=parents, exist_ok=exist_ok)
+    except OSError as exc:
+        raise io_error(exc, path, "creating the directory", _block_bytes(path)) from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -61,14 +104,14 @@ class TempFile:
         try:
             self.fd = open_regular(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as exc:
-            raise _io_error(exc, self.path, "creating") from None
+            raise io_error(exc, self.path, "creating", _block_bytes(self.path)) from None
         self._direct = DirectAppender(engine, self.temp) if engine is not None else None
         if size:
             try:
                 os.posix_fallocate(self.fd, 0, size)
             except OSError as exc:
                 self.abort()
-                raise _io_error(exc, self.path, "reserving space for") from None
+                raise io_error(exc, self.path, "reserving space for", size) from None
 
     def write(self, data: memoryview) -> None:
         if self._direct is not None:
@@ -80,7 +123,7 @@ class TempFile:
                 done += os.write(self.fd, data[done:])
         except OSError as exc:
             self.abort()
-            raise _io_error(exc, self.path, "writing") from None
+            raise io_error(exc, self.path, "writing", len(data) - done) from None
 
     def commit(self) -> None:
         if self._direct is not None:
@@ -93,7 +136,7 @@ class TempFile:
             fsync_dir(self.path.parent)
         except OSError as exc:
             self.abort()
-            raise _io_error(exc, self.path, "committing") from None
+            raise io_error(exc, self.path, "committing") from None
 
     def _direct_io(self, call, *args) -> None:
         try:
@@ -101,7 +144,7 @@ class TempFile:
         except DiskIOError as exc:  # the engine's, naming the temporary file
             self.abort()
             code = getattr(exc, "errno", errno.EIO)
-            raise _io_error(OSError(code, os.strerror(code)), self.path, "writing") from None
+            raise io_error(OSError(code, os.strerror(code)), self.path, "writing", getattr(exc, "required", None) or getattr(exc, "bytes", None)) from None
         except BaseException:
             self.abort()
             raise
@@ -170,7 +213,10 @@ def replace_dir(new: Path, final: Path) -> None:
     crash leaves either the old ``final`` or the new one. The old one is
     then deleted."""
     if not final.exists():
-        os.rename(new, final)
+        try:
+            os.rename(new, final)
+        except OSError as exc:
+            raise io_error(exc, final, "renaming the finished checkpoint to", _block_bytes(final)) from None
         fsync_dir(final.parent)
         return
     # Swap both names at once (Linux renameat2); a plain rename cannot
@@ -178,6 +224,8 @@ def replace_dir(new: Path, final: Path) -> None:
     rc = _libc.renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE)
     if rc != 0:
         err = ctypes.get_errno()
+        if err in _NO_SPACE:
+            raise io_error(OSError(err, os.strerror(err)), final, "replacing the checkpoint", _block_bytes(final))
         raise DiskIOError(
             f"cannot replace checkpoint {final} atomically ({os.strerror(err)}): this filesystem "
             "lacks renameat2(RENAME_EXCHANGE); save under a new tag instead",

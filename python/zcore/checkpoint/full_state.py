@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from zcore import arguments
 from zcore.checkpoint.layout import EngineLayout, engine_layout
 from zcore.errors import InvalidStateError
 from zcore.step.swapped_optimizer import SwappedMaster
@@ -34,6 +35,7 @@ def full_state_dict(engine: Any, dtype: torch.dtype = torch.float32) -> dict[str
     """The whole model's state dict (fp32 master weights in ``dtype``,
     frozen parameters, buffers) on rank 0, gathered one unit at a time; an
     empty dict on the other ranks. Collective: call it on every rank."""
+    dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
     refuse_model_parallel(engine, "engine.full_state_dict()")
     layout = engine_layout(engine)
     values = dict(full_state_tensors(engine, layout, dtype))

@@ -48,7 +48,7 @@ def save_model_file(engine: Any, path: Union[str, Path], dtype: torch.dtype, exc
     tensors = full_state_tensors(engine, layout, dtype, failures)
     try:
         if engine.context.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            durable.make_dir(path.parent, parents=True, exist_ok=True)
             safetensors = path.suffix == ".safetensors"
             writer = TensorFileWriter(path, specs) if safetensors else TorchFileWriter(path, specs, keys)
             with writer:

@@ -137,7 +137,7 @@ def start(staging: Path) -> None:
             f"cannot stage the save in {staging}: it exists and {whose}; wait for that save, "
             "save under another tag, or remove it"
         )
-    staging.mkdir()
+    durable.make_dir(staging)
     try:
         durable.write_json(staging / directory.OWNER, {**_self(), "created": time.time()})
     except BaseException:

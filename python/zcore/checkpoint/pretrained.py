@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from tqdm import tqdm
 
+from zcore import arguments
 from zcore.comm import collectives as comm
 from zcore.checkpoint import durable
 from zcore.checkpoint.files import read_small, size_in_bytes
@@ -66,6 +67,7 @@ def save_pretrained(
     The files are written aside and take their names only once every rank
     has done its part, so a save that fails (a full disk, a rank's NVMe
     error) leaves the directory's earlier weights as they were."""
+    dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
     engine.lifetime.check_usable()
     refuse_model_parallel(engine, "zcore.save_pretrained")
     engine._finish_step()
@@ -83,7 +85,7 @@ def save_pretrained(
     written: list[str] = []
     try:
         if staging is not None:
-            staging.mkdir(parents=True)
+            durable.make_dir(staging, parents=True)
             total = sum(spec.nbytes for file_specs in files for spec in file_specs)
             with progress_bar(f"saving weights to {out.name}", total) as bar:
                 written = _write_weights(staging, names, files, tensors, bar)

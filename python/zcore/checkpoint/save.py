@@ -48,22 +48,27 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     directory.check_same_tag(tag, f"saving a checkpoint in {save_dir}")
     tag = directory.check_tag(tag)
-    client = training_state.encode_client_state(client_state)
+    client, failure = None, None
+    try:
+        client = training_state.encode_client_state(client_state)
+    except CheckpointError as exc:
+        failure = exc
+    # Every rank learns of one rank's refusal (its collectives below would wait alone).
+    comm.raise_if_any_failed(failure, "saving the checkpoint's client_state", CheckpointError)
     layout = engine_layout(engine)
     whole = whole_model_layout(engine, layout)  # before the directory: a refusal leaves nothing
     root = Path(save_dir)
     rank = engine.context.rank
     staging = directory.staging_dir(root, tag)
-    failure = None
     if rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            durable.make_dir(root, parents=True, exist_ok=True)
             directory.check_tag_free(root, tag)
             partials.start(staging)
         except (CheckpointError, DiskIOError) as exc:
             failure = exc
         except OSError as exc:
-            failure = CheckpointError(f"cannot create checkpoint directory {staging}: {exc.strerror}")
+            failure = durable.io_error(exc, staging, "creating the checkpoint directory")
     comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError)
 
     index_checksum = None

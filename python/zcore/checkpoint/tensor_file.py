@@ -49,10 +49,22 @@ _ALIGN = 8  # header padding, as the safetensors library writes it
 _MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses longer headers too
 
 
-def dtype_code(dtype: torch.dtype) -> str:
+def storable(dtype: torch.dtype, what: str) -> torch.dtype:
+    """``dtype`` if the files zcore writes (checkpoints, weights) can hold
+    it; else a CheckpointError naming ``what`` and the dtypes they hold."""
     if dtype not in _CODES:
-        raise TypeError(f"tensors of dtype {dtype} cannot be stored; supported: {sorted(map(str, _CODES))}")
-    return _CODES[dtype]
+        raise CheckpointError(
+            f"{what} is a tensor of dtype {dtype}, which zcore's checkpoint and weight files (safetensors) "
+            f"cannot hold; they hold {', '.join(map(str, _CODES))}: convert it (a complex tensor with "
+            "torch.view_as_real) or leave it out",
+            dtype=str(dtype),
+        )
+    return dtype
+
+
+def dtype_code(dtype: torch.dtype, what: str) -> str:
+    """The safetensors name of ``dtype`` (``storable``'s check first)."""
+    return _CODES[storable(dtype, what)]
 
 
 def dtype_of(code: str) -> torch.dtype:
@@ -130,7 +142,7 @@ class TensorFileWriter:
         offset = 0
         for spec in specs:
             header[spec.name] = {
-                "dtype": dtype_code(spec.dtype),
+                "dtype": dtype_code(spec.dtype, f"tensor {spec.name!r} of {self.path.name}"),
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + spec.nbytes],
             }

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from zcore.checkpoint.files import shown
+from zcore.checkpoint.tensor_file import storable
 from zcore.errors import CheckpointError
 from zcore.optim.compressed_adam import MOMENTUM_MASK
 
@@ -289,10 +290,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 # The user's client_state: JSON, with tensors stored beside it.
 def encode_client_state(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON with references to tensors, the tensors by reference) of a
+    save's ``client_state``; a CheckpointError naming the first key whose
+    value a checkpoint cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
 
     def encode(v: Any, path: str) -> Any:
         if isinstance(v, torch.Tensor):
+            storable(v.dtype, f"client_state{path}")
             key = f"client::{len(tensors)}"
             tensors[key] = v.detach().cpu().contiguous()
             return {_TENSOR_REF: key}

@@ -9,6 +9,7 @@ go through the names the installed torch offers (``all_gather_single`` and
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -17,13 +18,21 @@ import torch
 import torch.distributed as dist
 
 from zcore import errors, tracing
-from zcore.comm import counting_group
+from zcore.comm import counting_group, waits
 from zcore.tracing import Wait
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_issued = 0  # collectives this process has started through this module (under _issuing)
+_issuing = threading.Lock()  # collectives start on the training thread, autograd's and the step's
+
+
+def issued() -> int:
+    """How many collectives this process has started here: ranks in step
+    have started as many (zcore.engine.rank_calls compares them)."""
+    return _issued
 
 
 @dataclass(frozen=True)
@@ -62,49 +71,59 @@ def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> DistributedC
     )
 
 
-def _on_gloo() -> bool:
+def on_gloo() -> bool:
     """gloo takes the paths below that suit it; so does the backend that
     counts what gloo sends (zcore.comm.counting_group), or it would count others."""
     return dist.get_backend() in ("gloo", counting_group.BACKEND)
 
 
-class _AllGatherBySendRecv:
+def _all_gather_by_send_recv(
+    output: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> list[dist.Work]:
     """gloo's all-gather is slow: on 2 ranks, 10.6 ms for a 16 MiB output and
     62 ms for 64 MiB, against 6.2 and 23 ms when each rank sends its shard to
     every other rank and receives theirs (measured). So on gloo the shards
     are exchanged point to point, received straight into their slices of the
     output. Every rank gathers the same groups in the same order, so the
     k-th message between two ranks always belongs to the k-th gather.
-    ``group``: a subgroup's ranks, in its own rank order (None: the world)."""
-
-    def __init__(self, output: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        slices = output.view(size, -1)
-        slices[rank].copy_(shard)
-        ops = []
-        for i in range(size):
-            if i != rank:
-                peer = i if group is None else dist.get_global_rank(group, i)  # P2POp takes global ranks
-                ops.append(dist.P2POp(dist.isend, shard, peer, group))
-                ops.append(dist.P2POp(dist.irecv, slices[i], peer, group))
-        # A group of one (a node of one rank in a two-level gather) has no peer.
-        self._works = dist.batch_isend_irecv(ops) if ops else []
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
+    ``group``: a subgroup's ranks, in its own rank order (None: the world).
+    Returns the sends and receives to wait for."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    slices = output.view(size, -1)
+    slices[rank].copy_(shard)
+    ops = []
+    for i in range(size):
+        if i != rank:
+            peer = i if group is None else dist.get_global_rank(group, i)  # P2POp takes global ranks
+            ops.append(dist.P2POp(dist.isend, shard, peer, group))
+            ops.append(dist.P2POp(dist.irecv, slices[i], peer, group))
+    # A group of one (a node of one rank in a two-level gather) has no peer.
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class _Collective:
-    """A collective in flight: waiting for it is a timed comm wait."""
+    """A collective in flight: ``wait()`` waits for its work (a timed comm
+    wait, in slices where an engine watches: zcore.comm.waits), then runs
+    ``finish``. Like torch's Work.wait(), a second call returns at once."""
 
-    def __init__(self, work: Any) -> None:
-        self._work = work
+    def __init__(self, works: list, kind: str, finish: Optional[Any] = None) -> None:
+        global _issued
+        with _issuing:
+            _issued += 1
+            self.seq = _issued
+        self._works: Optional[list] = works
+        self._kind = kind
+        self._finish = finish
 
     def wait(self) -> None:
+        if self._works is None:
+            return
         with tracing.waiting(Wait.COMM):
-            self._work.wait()
+            waits.wait_all(self._works, self.seq, self._kind)
+        self._works = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
 
 
 def all_gather_into(
@@ -114,35 +133,31 @@ def all_gather_into(
     rank order, over ``group`` (None: the world). ``shard`` must stay
     unchanged until the gather is waited for."""
     with tracing.span("all_gather"):
-        if not _on_gloo():
-            work = _Collective(_all_gather(output, shard, group=group, async_op=True))
+        if not on_gloo():
+            work = _Collective([_all_gather(output, shard, group=group, async_op=True)], "all-gather")
         else:
-            work = _Collective(_AllGatherBySendRecv(output, shard, group))
+            work = _Collective(_all_gather_by_send_recv(output, shard, group), "all-gather")
     if async_op:
         return work
     work.wait()
     return None
 
 
-class _ReduceScatterByAllToAll:
+def _reduce_scatter_by_all_to_all(
+    shard: torch.Tensor, full: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> _Collective:
     """gloo's reduce-scatter runs slower than its all-reduce of the same
     buffer, and an all-reduce moves twice the bytes a reduce-scatter needs.
     So on gloo every rank sends each other rank that rank's slice (one
     all-to-all) and sums the slices it receives. Measured on 2 ranks, 16 MiB:
     7.4 ms against 12.5 ms (all-reduce) and 17.0 ms (reduce_scatter_tensor)."""
+    received = torch.empty_like(full)  # slice ``rank`` of every rank's ``full``
+    work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
-    def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-        self._shard = shard
-        self._received = torch.empty_like(full)  # slice ``rank`` of every rank's ``full``
-        self._work = dist.all_to_all_single(self._received, full, group=group, async_op=True)
+    def finish() -> None:
+        torch.sum(received.view(-1, shard.numel()), dim=0, out=shard)
 
-    def wait(self) -> None:
-        """Like torch's Work.wait(): a second call returns at once."""
-        if self._received is None:
-            return
-        self._work.wait()
-        torch.sum(self._received.view(-1, self._shard.numel()), dim=0, out=self._shard)
-        self._received = None
+    return _Collective([work], "reduce-scatter", finish)
 
 
 def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Optional[dist.ProcessGroup] = None):
@@ -150,9 +165,11 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Optional[
     into this rank's ``shard`` (slice ``rank`` of ``full``); returns a
     handle whose ``wait()`` completes it. ``full`` may be overwritten."""
     with tracing.span("reduce_scatter"):
-        if _on_gloo():
-            return _Collective(_ReduceScatterByAllToAll(shard, full, group))
-        return _Collective(_reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        if on_gloo():
+            return _reduce_scatter_by_all_to_all(shard, full, group)
+        return _Collective(
+            [_reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)], "reduce-scatter"
+        )
 
 
 def all_to_all(
@@ -161,16 +178,30 @@ def all_to_all(
     """Slice r of ``input`` goes to rank r of ``group`` (None: the world);
     ``output``'s slice r comes from rank r (equal slices, flat)."""
     with tracing.span("all_to_all"):
-        work = _Collective(dist.all_to_all_single(output, input, group=group, async_op=True))
+        work = _Collective([dist.all_to_all_single(output, input, group=group, async_op=True)], "all-to-all")
     if async_op:
         return work
     work.wait()
     return None
 
 
+def all_to_all_uneven(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """``input_splits[r]`` elements of ``input`` go to rank r of ``group``
+    (None: the world), in rank order; ``output`` receives
+    ``output_splits[r]`` elements from rank r, in rank order (flat)."""
+    with tracing.span("all_to_all"):
+        _Collective(
+            [dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True)],
+            "all-to-all",
+        ).wait()
+
+
 def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False, group: Optional[dist.ProcessGroup] = None):
     with tracing.span("all_reduce"):
-        work = _Collective(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        work = _Collective([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)], "all-reduce")
     if async_op:
         return work
     work.wait()
@@ -178,8 +209,9 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False, group: Optional
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> None:
-    with tracing.waiting(Wait.COMM):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    with tracing.span("all_reduce"):
+        work = _Collective([dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)], "all-reduce")
+    work.wait()
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
@@ -200,7 +232,7 @@ def broadcast_from(tensor: torch.Tensor, position: int, group: Optional[dist.Pro
     """``tensor`` from the rank at ``position`` in ``group`` (None: the
     world); torch before 2.6 takes a global source rank only."""
     src = position if group is None else dist.get_global_rank(group, position)
-    dist.broadcast(tensor, src=src, group=group)
+    _Collective([dist.broadcast(tensor, src=src, group=group, async_op=True)], "broadcast").wait()
 
 
 def wait_all(works: list[Optional[dist.Work]]) -> None:

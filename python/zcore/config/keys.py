@@ -54,7 +54,6 @@ ALIASES: dict[str, str] = {
     "zero_optimization.stage3_gather_fp16_weights_on_model_save":
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "bfloat16": "bf16",
-    "aio.thread_count": "aio.intra_op_parallelism",
 }
 
 # DeepSpeed's deprecated switches that stand for an offload section: true
@@ -129,6 +128,7 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "aio.single_submit": ("bool", "zcore's I/O engine always submits a request's blocks as one batch"),
     "aio.overlap_events": ("bool", "zcore's I/O engine always overlaps submission with completion"),
     "aio.use_gds": ("bool", "zcore reads and writes NVMe through pinned host memory"),
+    "aio.thread_count": ("int", "DeepSpeed 0.19.8 no longer reads it; zcore's I/O threads are aio.intra_op_parallelism"),
     "bf16.immediate_grad_update": ("bool", "zcore accumulates gradients in fp32 and steps at the boundary"),
     "bf16.check_grad_overflow": ("bool", "zcore's bf16 steps with the gradients as they are"),
     "checkpoint.load_universal": ("bool", "zcore checkpoints reload at any world size as they are"),

@@ -1,5 +1,5 @@
 """The optimizer section of zcore's config: DeepSpeed's Adam, AdamW, 1-bit
-Adam and 0/1 Adam, their params, and the union zcore.config.schema.Config takes.
+Adam, 0/1 Adam and Muon, their params, and the union zcore.config.schema.Config takes.
 
 The optimizers themselves are built from these in zcore.step.optimizers; 1-bit
 Adam and 0/1 Adam run at ZeRO stage 0 only, which is checked there.
@@ -7,7 +7,7 @@ Adam and 0/1 Adam run at ZeRO stage 0 only, which is checked there.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
@@ -26,15 +26,23 @@ class _AdamHyperParams(Section):
     @field_validator("betas", mode="before")
     @classmethod
     def _betas_from_json(cls, v: Any) -> Any:
-        # JSON has no tuples: a list of two is the same value.
-        return tuple(v) if isinstance(v, list) else v
+        return _betas_from_json(v)
 
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"betas must both lie in [0, 1), got {v}")
-        return v
+        return _betas_in_range(v)
+
+
+def _betas_from_json(v: Any) -> Any:
+    # JSON has no tuples: a list of two is the same value.
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _betas_in_range(v: tuple[float, float]) -> tuple[float, float]:
+    if not all(0.0 <= b < 1.0 for b in v):
+        raise ValueError(f"betas must both lie in [0, 1), got {v}")
+    return v
 
 
 class AdamParams(_AdamHyperParams):
@@ -43,6 +51,19 @@ class AdamParams(_AdamHyperParams):
     adam_w_mode: bool = True
     torch_adam: bool = False
     amsgrad: Literal[False] = False
+    # DeepSpeed's fused and CPU Adam take these two; zcore's Adam always
+    # corrects the moments' bias and keeps its states in fp32.
+    bias_correction: bool = True
+    fp32_optimizer_states: bool = True
+
+    @field_validator("bias_correction", "fp32_optimizer_states")
+    @classmethod
+    def _what_zcore_does(cls, v: bool, info: Any) -> bool:
+        if not v:
+            what = {"bias_correction": "corrects the moments' bias",
+                    "fp32_optimizer_states": "keeps its states in fp32"}[info.field_name]
+            raise ValueError(f"zcore's Adam always {what}; remove the key or set it to true")
+        return v
 
 
 class _CompressedAdamParams(_AdamHyperParams):
@@ -130,8 +151,69 @@ class ZeroOneAdamParams(_CompressedAdamParams):
     local_step_clipper: int = Field(16, ge=1)
 
 
+class MuonParams(Section):
+    """DeepSpeed's Muon keys: Muon (torch.optim.Muon's math) for the
+    matrices, AdamW for the other parameters (zcore.step.optimizers splits
+    them as DeepSpeed does). ``lr`` and ``weight_decay`` serve both halves;
+    ``muon_lr`` and ``adam_lr`` override ``lr`` for one. The defaults are
+    DeepSpeed's."""
+
+    lr: Optional[float] = Field(None, gt=0)
+    muon_lr: Optional[float] = Field(None, gt=0)
+    adam_lr: Optional[float] = Field(None, gt=0)
+    momentum: float = Field(0.95, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-10, gt=0)
+    ns_method: str = "standard"
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_json(cls, v: Any) -> Any:
+        return _betas_from_json(v)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        return _betas_in_range(v)
+
+    @field_validator("ns_method")
+    @classmethod
+    def _standard_iteration(cls, v: str) -> str:
+        if v == "gram":
+            raise ValueError(
+                "ns_method 'gram' (DeepSpeed's default: Gram Newton-Schulz in fp16) is not implemented by zcore, "
+                "which runs torch.optim.Muon's iteration in bfloat16: set ns_method to 'standard' or remove it"
+            )
+        if v != "standard":
+            raise ValueError(f"ns_method must be 'standard' (or DeepSpeed's 'gram'), got {show_value(v)}")
+        return v
+
+    @property
+    def muon_step_size(self) -> float:
+        """Muon's learning rate: muon_lr, else lr, else DeepSpeed's 0.02."""
+        return self.muon_lr if self.muon_lr is not None else self.lr if self.lr is not None else 0.02
+
+    @property
+    def adam_step_size(self) -> float:
+        """AdamW's learning rate: adam_lr, else lr, else DeepSpeed's 3e-4."""
+        return self.adam_lr if self.adam_lr is not None else self.lr if self.lr is not None else 3e-4
+
+
+class MuonConfig(Section):
+    type: Literal["Muon"]
+    params: MuonParams = MuonParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical(cls, v: Any) -> Any:
+        return _canonical_type(v)
+
+
 # DeepSpeed reads optimizer types in any case.
-_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+_OPTIMIZER_TYPES = {
+    "adam": "Adam", "adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "muon": "Muon",
+}
 
 
 def _canonical_type(v: Any) -> Any:
@@ -148,8 +230,8 @@ class AdamOptimizerConfig(Section):
         canonical = _canonical_type(v)
         if canonical not in ("Adam", "AdamW"):
             raise ValueError(
-                f"optimizer type {show_value(v)} is not supported; use 'Adam', 'AdamW', 'OneBitAdam' or "
-                "'ZeroOneAdam', or pass a torch optimizer (or a callable building one) to "
+                f"optimizer type {show_value(v)} is not supported; use 'Adam', 'AdamW', 'OneBitAdam', "
+                "'ZeroOneAdam' or 'Muon', or pass a torch optimizer (or a callable building one) to "
                 "zcore.initialize(optimizer=...)"
             )
         return canonical
@@ -185,7 +267,7 @@ def _optimizer_branch(raw: Any) -> str:
     # check names the types there are. Its tag is its class name, which is
     # what zcore.config.schema's _describe takes a type-less branch's name in an
     # error to be.
-    return tag if tag in ("OneBitAdam", "ZeroOneAdam") else AdamOptimizerConfig.__name__
+    return tag if tag in ("OneBitAdam", "ZeroOneAdam", "Muon") else AdamOptimizerConfig.__name__
 
 
 # The params' keys depend on the type.
@@ -194,6 +276,7 @@ OptimizerConfig = Annotated[
         Annotated[AdamOptimizerConfig, Tag(AdamOptimizerConfig.__name__)],
         Annotated[OneBitAdamConfig, Tag("OneBitAdam")],
         Annotated[ZeroOneAdamConfig, Tag("ZeroOneAdam")],
+        Annotated[MuonConfig, Tag("Muon")],
     ],
     Discriminator(_optimizer_branch),
 ]

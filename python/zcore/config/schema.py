@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from zcore.config.keys import UNSUPPORTED_KEYS, show_value, translate
+from zcore.config.leaf_modules import LeafModuleConfig
 from zcore.config.scheduler import SchedulerConfig
 from zcore.config.section import MAX_CONFIG_INT, Section
 from zcore.errors import ConfigError
@@ -238,6 +239,8 @@ class ZeroConfig(Section):
     # parameter all-gathers of a group spanning nodes in two levels.
     mics_shard_size: int = Field(-1, ge=-1)
     mics_hierarchical_params_gather: bool = False
+    # Stage 3: modules gathered whole when entered (zcore.zero3.leaf_modules).
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod

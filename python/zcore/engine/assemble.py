@@ -39,7 +39,9 @@ from zcore.step.background_step import BackgroundStep
 from zcore.step.grad_reduction import AccumulateThenReduce, GradientReducer, ReduceScatterEveryMicroStep
 from zcore.step.gradient_shards import SwappedGradients
 from zcore.step.gradient_shards import swap_capacity as gradient_swap_capacity
-from zcore.step.optimizers import ParamGroups, build_optimizer, collect_param_groups
+from zcore.optim.matrix_optimizer import MatrixAndElementwise
+from zcore.step.matrix_step import matrix_update
+from zcore.step.optimizers import ParamGroups, build_optimizer, collect_param_groups, combine_optimizers
 from zcore.step.precision import MixedPrecision
 from zcore.step.sharded_optimizer import (
     FusedCpuUpdate,
@@ -63,6 +65,7 @@ from zcore.step.swapped_optimizer import (
     swap_capacity,
 )
 from zcore.step.units import FlatUnit, Unit, pack_units
+from zcore.zero3.leaf_modules import apply_leaf_module_config
 from zcore.zero3.meta_init import MetaInit
 from zcore.zero3.param_fetcher import ParamFetcher, coordinator_config
 from zcore.zero3.sharded_group import GroupPlan, ShardedGroup, build_groups, fill_groups, plan_groups
@@ -72,7 +75,10 @@ from zcore.zero3.synced_generation import sync_generation
 if TYPE_CHECKING:
     from zcore.parallel.pipelining import Tie
 
-OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list[dict]], torch.optim.Optimizer]]
+OptimizerArg = Union[
+    None, torch.optim.Optimizer, tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+    Callable[[list[dict]], torch.optim.Optimizer],
+]
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,13 @@ def training_engine(
     model, cfg, context, precision, policies, ranks = a.model, a.cfg, a.context, a.precision, a.policies, a.ranks
     batch = BatchSizes(*cfg.batch_sizes(ranks.data_parallel.size))
     offload = policies.offload
+    optimizer = combine_optimizers(optimizer)  # a whole-matrix optimizer and an element-wise one, as one
     master: Union[MasterShards, SwappedMaster]
     # Weights tied across pipeline stages: a unit (stage 3: a group) of their own.
     alone = frozenset(id(p) for p in (tied_parameters or {}).values())
     if policies.stage.shards_parameters:
-        groups = collect_param_groups(model, optimizer, model_parameters)
-        plan, sharded_groups, hooked = _plan_shards(model, context, precision, ranks, alone)
+        groups = collect_param_groups(model, optimizer, model_parameters, cfg.optimizer)
+        plan, sharded_groups, hooked = _plan_shards(model, cfg, context, precision, ranks, alone)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, policies, ranks)
         master = _master(units, offload, context)
@@ -118,7 +125,7 @@ def training_engine(
         layouts: list = []  # placed in the compute dtype already
     else:
         _place_and_synchronise(model, context, ranks.data_parallel)
-        groups = collect_param_groups(model, optimizer, model_parameters)
+        groups = collect_param_groups(model, optimizer, model_parameters, cfg.optimizer)
         units = layouts = _pack(groups, cfg, policies.stage, context.device, alone)
         master = _master(units, offload, context)
         _write_states(master, units)
@@ -133,6 +140,7 @@ def training_engine(
     publisher: Publisher
     if policies.stage.shards_parameters:
         fetcher.set_master_writer(functools.partial(_write_master, master, units))
+        _hold_leaf_units(fetcher, reducer, units)
         handles += fetcher_hooks
         residency = publisher = fetcher
         shards: UnitShards = StoredShards(fetcher)
@@ -146,7 +154,7 @@ def training_engine(
         inner=inner,
         master=master,
         reducer=reducer,
-        update=_update(inner, master, reducer, shards, offload),
+        update=_update(inner, master, reducer, shards, offload, groups, ranks, context.device),
         precision=precision,
         gradient_clipping=cfg.gradient_clipping,
         shard=ranks.shard,
@@ -173,7 +181,7 @@ def inference_engine(a: Assembly) -> Engine:
     residency: ParamResidency
     handles: list = []
     if policies.stage.shards_parameters:
-        plan, groups, hooked = _plan_shards(model, context, precision, ranks, frozenset())  # no ties without an optimizer
+        plan, groups, hooked = _plan_shards(model, cfg, context, precision, ranks, frozenset())  # no ties without an optimizer
         fetcher, handles = _fetcher(model, groups, hooked, cfg, policies, ranks)
         _fill(plan, groups, context, ranks.data_parallel, a.meta_init, fetcher)
         handles += _present_sharded(model, groups, context)
@@ -241,6 +249,15 @@ def _fetcher(
     return fetcher, handles
 
 
+def _hold_leaf_units(fetcher: ParamFetcher, reducer: GradientReducer, units: list[Unit]) -> None:
+    """Stage 3: a leaf module's units are reduced once its calls have left
+    backward (note "leaf gradients" in zcore.zero3.leaf_reductions)."""
+    unit_of = {id(unit): u for u, unit in enumerate(units)}
+    group_unit = {g.index: unit_of[id(g)] for g in fetcher.groups if id(g) in unit_of}
+    reducer.hold([group_unit[g] for g in fetcher.leaf_groups()])
+    fetcher.set_leaf_release(lambda groups: reducer.release([group_unit[g] for g in groups]))
+
+
 def _present_sharded(model: torch.nn.Module, groups: list[ShardedGroup], context: comm.DistributedContext) -> list:
     """Stage 3, once the groups are filled: what code outside zcore sees of
     the model (parameter counts, state dicts, generation); the hooks' handles."""
@@ -265,6 +282,7 @@ def _place_and_synchronise(
 
 def _plan_shards(
     model: torch.nn.Module,
+    cfg: Config,
     context: comm.DistributedContext,
     precision: MixedPrecision,
     ranks: DataParallelRanks,
@@ -273,7 +291,9 @@ def _plan_shards(
     """Stage 3: which parameters form which group (those in ``alone`` one
     each), and the groups (without values: ``_fill`` gives them); buffers go
     to the device whole, the first data-parallel rank's on every rank (those
-    on the meta device later, as ``_fill`` materialises them)."""
+    on the meta device later, as ``_fill`` materialises them). The modules
+    the config's leaf_module section names are marked leaves first."""
+    apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             if not buf.is_meta:
@@ -369,7 +389,19 @@ def _update(
     reducer: GradientReducer,
     shards: UnitShards,
     offload: OffloadPolicy,
-) -> TorchUpdate:
+    groups: ParamGroups,
+    ranks: DataParallelRanks,
+    device: torch.device,
+) -> Any:
+    if isinstance(inner, MatrixAndElementwise):  # matrices by owner compute (zcore.step.matrix_step)
+        assert isinstance(master, MasterShards)  # zcore.step.optimizers refuses it on NVMe
+        elementwise = (
+            TorchUpdate(inner, master, reducer, shards) if inner.elementwise is None  # then it only writes the shards
+            else _update(inner.elementwise, master, reducer, shards, offload, groups, ranks, device)
+        )
+        return matrix_update(
+            inner, elementwise, [g["params"] for g in groups.groups], ranks.shard, ranks.model_parallel, device
+        )
     if isinstance(master, SwappedMaster):
         needed = 1 + offload.read_ahead + offload.write_behind
         if offload.optimizer_buffers < needed:

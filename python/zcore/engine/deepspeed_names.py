@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from zcore.config.policies import Policies
     from zcore.config.schema import Config
     from zcore.engine.lifetime import Lifetime
+    from zcore.engine.rank_calls import EngineCalls
     from zcore.engine.residency import ParamResidency
     from zcore.parallel.mesh import DataParallelRanks
     from zcore.step.sharded_optimizer import ShardedOptimizer
@@ -139,6 +140,7 @@ class DeepSpeedEngineNames:
     ranks: DataParallelRanks
     residency: ParamResidency
     lifetime: Lifetime
+    calls: EngineCalls
     batch: Any  # zcore.engine.engine.BatchSizes
     last_grad_norm: Optional[float]
     last_step_applied: bool
@@ -317,7 +319,8 @@ class DeepSpeedEngineNames:
         ``_check_save_options`` says."""
         _check_save_options(save_latest, exclude_frozen_parameters)
         self.lifetime.check_usable()
-        self._trainer("save_checkpoint")
+        self.calls.settle()  # a rank whose last call raised: the save's collectives only if every rank's did
+        self._trainer("save_checkpoint").check_saveable()
         self._finish_step()
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 

@@ -22,10 +22,12 @@ from zcore import checkpoint
 from zcore.comm.collectives import DistributedContext
 from zcore.config.policies import Policies
 from zcore.config.schema import Config
+from zcore.engine.compiled_units import CompiledUnits, check_compile_options, compile_blocks, is_compiled
 from zcore.engine.deepspeed_names import DeepSpeedEngineNames, refusal
 from zcore.engine.frozen import FrozenParameters
 from zcore.engine.lifetime import Lifetime
 from zcore.engine.observation import StepFigures, StepObservation
+from zcore.engine.rank_calls import EngineCalls
 from zcore.engine.residency import ParamResidency
 from zcore.errors import DiskIOError, InvalidStateError
 from zcore.observe.flops_profiler import FlopsReport
@@ -34,6 +36,7 @@ from zcore.observe.step_metrics import Phase, StepRecord
 from zcore.parallel.mesh import DataParallelRanks
 from zcore.step.grad_reduction import GradientReducer
 from zcore.step.sharded_optimizer import ShardedOptimizer
+from zcore.zero3.param_fetcher import ParamFetcher
 
 log = logging.getLogger("zcore")
 T = TypeVar("T")
@@ -95,7 +98,15 @@ class Engine(DeepSpeedEngineNames):
         self.batch = parts.batch
         self.observation = parts.observation
         self.lifetime = Lifetime()
+        check = config.out_of_step_check
+        # Whether the ranks make their calls in step (note "ranks out of step" there).
+        self.calls = EngineCalls(parts.ranks.data_parallel, check.enabled, check.patience_seconds, self._out_of_step)
         self._hook_handles = parts.hook_handles
+        # Stage 3: compiled modules are gathered as units (note "compiled units").
+        self._units = (
+            CompiledUnits(module, parts.residency, self._hook_handles)
+            if isinstance(parts.residency, ParamFetcher) else None
+        )
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -131,20 +142,43 @@ class Engine(DeepSpeedEngineNames):
     # Forward.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.lifetime.check_usable()
-        self.observation.before_forward(self.global_steps, args, kwargs)
-        try:
-            with self.observation.phase(Phase.FORWARD):
-                out = self.residency.forward(self.module, args, kwargs)
-        except DiskIOError as exc:
-            self.lifetime.break_because(
-                f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
-            )
-            raise
-        if self.optimizer is not None and self.optimizer.step_failed:
-            self._finish_step()  # raises the failure of the step behind this forward
+        # A forward without gradients at stages 0-2 starts no collective: one rank may run it alone.
+        counted = torch.is_grad_enabled() or self.policies.stage.shards_parameters
+        with self.calls.call(Phase.FORWARD.value, self.micro_steps, counted):
+            self.observation.before_forward(self.global_steps, args, kwargs)
+            if self._units is not None:
+                self._units.adopt()
+            try:
+                with self.observation.phase(Phase.FORWARD):
+                    out = self.residency.forward(self.module, args, kwargs)
+            except DiskIOError as exc:
+                self.lifetime.break_because(
+                    f"the forward after step {self.global_steps} failed ({type(exc).__name__}: {exc})"
+                )
+                raise
+            if self.optimizer is not None and self.optimizer.step_failed:
+                self._finish_step()  # raises the failure of the step behind this forward
         return out
 
     forward = __call__
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict] = None) -> None:
+        """DeepSpeed's ``engine.compile``: torch.compile with ``backend`` and
+        ``compile_kwargs``. Stages 0-2 compile the whole model; stage 3
+        compiles each of its blocks (the modules of its nn.ModuleList),
+        gathered as one unit each (note "compiled units" in
+        zcore.engine.compiled_units)."""
+        options = dict(compile_kwargs or {})
+        if self._units is None:
+            self.module.compile(backend=backend, **options)
+            return
+        check_compile_options(backend, options)
+        compile_blocks(self.module, lambda block: block.compile(backend=backend, **options), "engine.compile()")
+
+    @property
+    def is_compiled(self) -> bool:
+        """As DeepSpeed's: whether the model, or at stage 3 its blocks, run compiled."""
+        return self._units.any() if self._units is not None else is_compiled(self.module)
 
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -166,20 +200,21 @@ class Engine(DeepSpeedEngineNames):
         argument says) and by the fp16 loss scale; gradients are reduced
         across ranks as backward produces them. ``retain_graph``: passed on
         to torch's backward, as DeepSpeed does."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(
-                f"engine.backward expects a scalar loss tensor, got "
-                f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
-            )
         self.lifetime.check_usable()
-        optimizer = self._trainer("backward")
-        self.observation.loss(loss)
-        factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
-        with self.observation.phase(Phase.BACKWARD):
-            self._backward(
-                optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-            )
-        self.micro_step_phase = MicroStep.AWAITING_STEP
+        with self.calls.call(Phase.BACKWARD.value, self.micro_steps):
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"engine.backward expects a scalar loss tensor, got "
+                    f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+                )
+            optimizer = self._trainer("backward")
+            self.observation.loss(loss)
+            factor = optimizer.loss_scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
+            with self.observation.phase(Phase.BACKWARD):
+                self._backward(
+                    optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+                )
+            self.micro_step_phase = MicroStep.AWAITING_STEP
         return loss
 
     def pipeline_backward(self, run: Callable[[float], T], boundary: bool, loss: Optional[torch.Tensor]) -> T:
@@ -191,16 +226,17 @@ class Engine(DeepSpeedEngineNames):
         micro-batch's loss on the last stage, for the step's record. Call
         ``step()`` after it, as after ``backward``."""
         self.lifetime.check_usable()
-        optimizer = self._trainer("backward")
-        if loss is not None:
-            self.observation.loss(loss)
-        factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
-        self.set_gradient_accumulation_boundary(boundary)
-        with self.observation.phase(Phase.BACKWARD):
-            # The window's forwards and backwards interleave (1F1B, GPipe):
-            # ZeRO-3's step spans them all, so it ends with the last backward.
-            result = self._backward(optimizer, lambda: run(factor), end_step=boundary)
-        self.micro_step_phase = MicroStep.AWAITING_STEP
+        with self.calls.call(Phase.BACKWARD.value, self.micro_steps):
+            optimizer = self._trainer("backward")
+            if loss is not None:
+                self.observation.loss(loss)
+            factor = optimizer.loss_scale / self.batch.gradient_accumulation_steps
+            self.set_gradient_accumulation_boundary(boundary)
+            with self.observation.phase(Phase.BACKWARD):
+                # The window's forwards and backwards interleave (1F1B, GPipe):
+                # ZeRO-3's step spans them all, so it ends with the last backward.
+                result = self._backward(optimizer, lambda: run(factor), end_step=boundary)
+            self.micro_step_phase = MicroStep.AWAITING_STEP
         return result
 
     def _backward(self, optimizer: ShardedOptimizer, run: Callable[[], T], end_step: bool = True) -> T:
@@ -251,6 +287,10 @@ class Engine(DeepSpeedEngineNames):
         micro-step. ``lr_kwargs``: as DeepSpeed's, passed to the scheduler's
         step (ReduceLROnPlateau's ``metrics``)."""
         self.lifetime.check_usable()
+        with self.calls.call(Phase.STEP.value, self.micro_steps):
+            self._step(lr_kwargs)
+
+    def _step(self, lr_kwargs: Optional[dict]) -> None:
         optimizer = self._trainer("step")
         if self.micro_step_phase is not MicroStep.AWAITING_STEP:
             raise InvalidStateError(
@@ -367,9 +407,15 @@ class Engine(DeepSpeedEngineNames):
         cannot train after it. Also done when the process exits."""
         self.lifetime.destroy(self._close)
 
+    def _out_of_step(self, reason: str) -> None:
+        """The ranks fell out of step (zcore.engine.rank_calls): this engine
+        cannot go on, as its peers' collectives will never match its own."""
+        self.lifetime.break_because(reason)
+
     def _close(self, was_live: bool) -> None:
         # Each part closes even when one before it raises (callbacks run last-in, first-out).
         with ExitStack() as closing:
+            closing.callback(self.calls.close)
             closing.callback(self.observation.close)
             if self.optimizer is not None:
                 closing.callback(self.optimizer.close)

@@ -75,15 +75,36 @@ def register_module_hooks(fetcher: ParamFetcher, modules: dict[int, torch.nn.Mod
     """``modules[k]`` is the fetcher's hooked module k."""
     handles = []
     for k, module in modules.items():
-        handles.append(
+        pair = [
             module.register_forward_pre_hook(
                 functools.partial(_forward_pre, fetcher, k), with_kwargs=True, prepend=True
-            )
-        )
-        handles.append(
-            module.register_forward_hook(functools.partial(_forward_post, fetcher), with_kwargs=True)
-        )
+            ),
+            module.register_forward_hook(functools.partial(_forward_post, fetcher, k), with_kwargs=True),
+        ]
+        _MODULE_HOOKS.setdefault(fetcher, {}).setdefault(k, []).extend(pair)
+        handles += pair
     return handles
+
+
+# Each fetcher's module hooks by hooked module k: a compiled unit removes
+# those of the modules inside it (note "compiled units" in zcore.engine.compiled_units).
+_MODULE_HOOKS: "weakref.WeakKeyDictionary[ParamFetcher, dict[int, list]]" = weakref.WeakKeyDictionary()
+
+
+def register_unit_hooks(fetcher: ParamFetcher, k: int, module: torch.nn.Module, inside: list[int]) -> list:
+    """Hooked module ``k`` runs compiled, gathering for the hooked modules
+    ``inside`` it (itself among them, if it was hooked), whose own hooks
+    are removed: its graph has none. Its hooks run outside the compiled
+    region."""
+    for i in inside:
+        for handle in _MODULE_HOOKS.get(fetcher, {}).pop(i, []):
+            handle.remove()
+    return [
+        module.register_forward_pre_hook(
+            functools.partial(_enter_outside_graph, fetcher, k), with_kwargs=True, prepend=True
+        ),
+        module.register_forward_hook(functools.partial(_leave_outside_graph, fetcher, k), with_kwargs=True),
+    ]
 
 
 class _OnBackward(torch.autograd.Function):
@@ -105,14 +126,33 @@ class _OnBackward(torch.autograd.Function):
 
 
 def _forward_pre(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict):
+    if torch.compiler.is_compiling():  # in a compiled module that is no unit
+        return _enter_outside_graph(fetcher, k, module, args, kwargs)
+    return _enter(fetcher, k, module, args, kwargs)
+
+
+def _forward_post(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    if torch.compiler.is_compiling():
+        return _leave_outside_graph(fetcher, k, module, args, kwargs, output)
+    return _leave(fetcher, k, module, args, kwargs, output)
+
+
+def _enter(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict):
     call = fetcher.enter_forward(k)
     return _through_backward_exit(fetcher, call, args, kwargs)
 
 
-def _forward_post(fetcher: ParamFetcher, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+def _leave(fetcher: ParamFetcher, k: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
     tensors = tensors_in(output)
-    call = fetcher.exit_forward(tensors)
+    call = fetcher.exit_forward(k, tensors)
+    if call is None:  # hooked during this very call
+        return None
     return _through_backward_entry(fetcher, call, tensors, output)
+
+
+# Dynamo runs these as they are, outside its graph (it breaks the graph around the call).
+_enter_outside_graph = torch.compiler.disable(_enter)
+_leave_outside_graph = torch.compiler.disable(_leave)
 
 
 def _through_backward_exit(fetcher: ParamFetcher, call: ModuleCall, args: tuple, kwargs: dict):

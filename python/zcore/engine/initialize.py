@@ -25,6 +25,7 @@ from zcore.config.policies import Policies, policies_from_config
 from zcore.config.schema import Config, load_config
 from zcore.engine import assemble
 from zcore.engine.assemble import OptimizerArg
+from zcore.engine.compiled_units import unwrap_compiled
 from zcore.engine.engine import Engine
 from zcore.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from zcore.parallel.mesh import (
@@ -112,6 +113,7 @@ def initialize(
     model_parallel = _model_parallel(model, device_mesh, cfg, trains)
     policies = policies_from_config(cfg, context, None if model_parallel is None else model_parallel.data_parallel)
     ranks = assemble.data_parallel_ranks(policies, device_mesh, context, model_parallel)
+    model = unwrap_compiled(model, policies.stage.shards_parameters)  # note "compiled units"
     parts = assemble.Assembly(model, cfg, context, precision, policies, ranks, _meta_init(model, meta_init, policies, cfg))
     if trains:
         engine, sharded, scheduler = assemble.training_engine(

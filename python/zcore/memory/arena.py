@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import zcore._C as _C
+from zcore import arguments
 from zcore.errors import CudaUnavailableError, InvalidArgumentError
 from zcore.memory.host_memory import PAGE_ALIGNMENT, HostMemory, LockMode, as_tensor
 
@@ -87,15 +88,18 @@ class Arena:
         dtype: torch.dtype,
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> Block:
-        """Reserve a block for a tensor of ``shape`` and ``dtype``.
+        """Reserve a block for a tensor of ``shape`` and ``dtype``, at an
+        offset that is a multiple of ``alignment`` bytes (a power of two;
+        at least the element size).
 
         Raises :class:`zcore.OutOfArenaError` when it does not fit even after
-        compaction. The block's bytes are not initialised.
+        compaction, :class:`zcore.InvalidArgumentError` for a shape, dtype
+        or alignment it cannot take. The block's bytes are not initialised.
         """
-        shape = _check_shape(shape)
-        itemsize = dtype.itemsize
-        nbytes = shape.numel() * itemsize
-        handle = self._native.allocate(nbytes, max(alignment, itemsize))
+        dtype = arguments.dtype(dtype, "dtype")
+        shape, nbytes = arguments.shape(shape, dtype, "arena block")
+        align = arguments.alignment(alignment)
+        handle = self._native.allocate(nbytes, max(align, dtype.itemsize))
         return Block(handle=handle, shape=shape, dtype=dtype, nbytes=nbytes)
 
     def free(self, block: Block) -> None:
@@ -155,16 +159,3 @@ def _check_storage(storage: torch.Tensor) -> None:
         raise InvalidArgumentError(
             f"arena storage must live on the CPU or a CUDA device, got device={storage.device}"
         )
-
-
-def _check_shape(shape: tuple[int, ...] | torch.Size) -> torch.Size:
-    try:
-        size = torch.Size(shape)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"shape must be a tuple of ints, got {shape!r}") from exc
-    if any(d < 0 for d in size) or size.numel() == 0:
-        raise InvalidArgumentError(
-            f"block shape={tuple(size)} has no elements; every dimension must be positive",
-            shape=tuple(size),
-        )
-    return size

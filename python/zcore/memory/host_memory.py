@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 import zcore._C as _C
+from zcore import arguments
 from zcore.errors import InvalidArgumentError
 
 LockMode = Literal["none", "try", "require"]
@@ -24,6 +25,7 @@ _LOCK_POLICIES = {
 }
 
 PAGE_ALIGNMENT = 4096
+_POINTER_BYTES = 8  # posix_memalign's least alignment: sizeof(void*)
 
 
 class HostMemory:
@@ -42,8 +44,9 @@ class HostMemory:
         self._native = _C.HostMemory(budget, _LOCK_POLICIES[lock])
 
     def buffer(self, nbytes: int, alignment: int = PAGE_ALIGNMENT) -> _C.HostBuffer:
-        """A zero-filled native buffer of ``nbytes``, aligned to ``alignment``."""
-        return self._native.allocate(nbytes, alignment)
+        """A zero-filled native buffer of ``nbytes``, aligned to ``alignment``
+        bytes (a power of two)."""
+        return self._native.allocate(nbytes, max(arguments.alignment(alignment), _POINTER_BYTES))
 
     def zeros(
         self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, alignment: int = PAGE_ALIGNMENT
@@ -53,14 +56,8 @@ class HostMemory:
         The tensor keeps its buffer alive; the bytes return to the budget when
         the last tensor viewing them is gone.
         """
-        shape = torch.Size(shape)
-        nbytes = shape.numel() * dtype.itemsize
-        if nbytes <= 0:
-            raise InvalidArgumentError(
-                f"host tensor of shape={tuple(shape)} has no elements; give a shape with "
-                "at least one element",
-                shape=tuple(shape),
-            )
+        dtype = arguments.dtype(dtype, "dtype")
+        shape, nbytes = arguments.shape(shape, dtype, "host tensor")
         return as_tensor(self.buffer(nbytes, alignment)).view(dtype).view(shape)
 
     @property

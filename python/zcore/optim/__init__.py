@@ -3,6 +3,10 @@ DeepSpeed's communication-compressing Adams.
 
 - :class:`CPUAdam` / :class:`CPUAdamW`: drop-in torch optimizers for CPU
   parameters.
+- :class:`Muon`: torch.optim.Muon's update as a :class:`MatrixOptimizer`,
+  the interface of optimizers whose update needs each whole matrix, which
+  ZeRO runs by owner compute; :class:`MatrixAndElementwise` pairs one with
+  an element-wise optimizer for the other parameters.
 - :class:`OneBitAdam` / :class:`ZeroOneAdam`: 1-bit Adam and 0/1 Adam,
   which average over the ranks themselves, in 1-bit messages, on the steps
   where ``takes_averaged_gradients()`` is False (ZeRO stage 0).
@@ -26,6 +30,8 @@ from zcore.optim.functional import (
     supported_cpu_isas,
     unscale_and_check,
 )
+from zcore.optim.matrix_optimizer import MatrixAndElementwise, MatrixOptimizer
+from zcore.optim.muon import Muon
 from zcore.optim.onebit_adam import OneBitAdam
 from zcore.optim.zero_one_adam import ZeroOneAdam
 
@@ -35,6 +41,9 @@ __all__ = [
     "CPUAdamW",
     "CompressedAdam",
     "GradCheck",
+    "MatrixAndElementwise",
+    "MatrixOptimizer",
+    "Muon",
     "OneBitAdam",
     "ZeroOneAdam",
     "adam_step",

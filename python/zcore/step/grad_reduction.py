@@ -7,6 +7,9 @@ backward goes on. Units are launched in one fixed order on every rank (the
 reverse of their layout, as backward produces them), so ranks whose control
 flow differs still issue the same collectives in the same order; a unit
 waiting for a gradient that never comes is launched at the end of backward.
+Units whose gradients arrive at points that differ between ranks (a ZeRO-3
+leaf module's, zcore.zero3.leaf_reductions) are held until a point every
+rank shares releases them.
 
 Two policies:
 - ``AccumulateThenReduce`` (stages 0 and 1): gradients accumulate locally in
@@ -59,6 +62,8 @@ class _UnitTracker:
         self.missing = [len(u.params) for u in units]
         self.arrived = [[False] * len(u.params) for u in units]
         self.launches = 0  # units[-launches:] are launched
+        self.held: set[int] = set()  # units that wait for release() every micro-step
+        self.released: set[int] = set()  # of those, released this micro-step
 
     def arrive(self, unit: int, index: int) -> bool:
         """Records a gradient; True the first time this micro-step."""
@@ -71,12 +76,21 @@ class _UnitTracker:
     def launched(self, unit: int) -> bool:
         return unit >= len(self.units) - self.launches
 
+    def release(self, units: list[int]) -> None:
+        """Held ``units`` are complete: their parameters without a gradient
+        yet contribute zeros."""
+        for u in units:
+            self.released.add(u)
+            for i, arrived in enumerate(self.arrived[u]):
+                if not arrived:
+                    self.arrive(u, i)
+
     def launchable(self, flush: bool) -> list[int]:
         """Units to launch now, in order: complete ones, or all when flushing."""
         ready = []
         while self.launches < len(self.units):
             unit = len(self.units) - 1 - self.launches
-            if not flush and self.missing[unit] > 0:
+            if not flush and (self.missing[unit] > 0 or (unit in self.held and unit not in self.released)):
                 break
             ready.append(unit)
             self.launches += 1
@@ -86,6 +100,7 @@ class _UnitTracker:
         self.missing = [len(u.params) for u in self.units]
         self.arrived = [[False] * len(u.params) for u in self.units]
         self.launches = 0
+        self.released = set()
 
 
 class GradientReducer:
@@ -131,6 +146,18 @@ class GradientReducer:
         if first:
             self._launch(self.tracker.launchable(flush=False))
 
+    def hold(self, units: list[int]) -> None:
+        """Every micro-step, ``units`` launch only once ``release``d (or at
+        the end of backward): their gradients arrive at points that differ
+        between ranks (zcore.zero3.leaf_reductions)."""
+        self.tracker.held.update(units)
+
+    def release(self, units: list[int]) -> None:
+        """Held ``units`` are complete (their parameters without a gradient
+        on this rank contribute zeros): they launch in the fixed order."""
+        self.tracker.release(units)
+        self._launch(self.tracker.launchable(flush=False))
+
     def end_backward(self) -> None:
         """Launches what is left, in order, and retires what must be done now."""
         if self._late_unit is not None:
@@ -138,7 +165,9 @@ class GradientReducer:
             raise RuntimeError(
                 f"a gradient for unit {unit} arrived after the unit was already reduced in this "
                 "backward (a parameter's gradient was accumulated twice, e.g. by reentrant "
-                "activation checkpointing); use torch.utils.checkpoint(..., use_reentrant=False)"
+                "activation checkpointing: use torch.utils.checkpoint(..., use_reentrant=False); or it "
+                "came after the backward of its ZeRO-3 leaf module was left: compute it from the "
+                "leaf module's inputs)"
             )
         self._launch(self.tracker.launchable(flush=True))
         self._retire_all()

@@ -22,12 +22,20 @@ from zcore.memory.swap import SwapManager
 
 
 def squared_norm_of(shards: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of squares of every shard, as a float64 scalar on their device."""
+    """The sum of squares of every shard, as a float64 scalar on their device.
+    Summed in float64: the global norm, and so the clipping coefficient in
+    fp32, is then the same however the gradients are sharded (a matrix
+    optimizer's bfloat16 iteration turns a last-bit difference into a visible one)."""
     device = shards[0].device if shards else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for shard in shards:
-        squares += torch.linalg.vector_norm(shard, dtype=torch.float32).double() ** 2
+        squares += squared_norm(shard)
     return squares
+
+
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of ``t``'s elements, computed in float64."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
 
 
 class ResidentGradients:
@@ -78,13 +86,13 @@ class SwappedGradients:
         else:
             total = values.to(device="cpu", dtype=torch.float32, copy=True).mul_(alpha)
         if final:
-            self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
+            self._squares[unit] = float(squared_norm(total))
         self._write(unit, total)
 
     def put(self, unit: int, values: torch.Tensor) -> None:
         """The unit's final values of the window (fp32, kept until written)."""
         total = values.to(device="cpu", dtype=torch.float32)
-        self._squares[unit] = float(torch.linalg.vector_norm(total).double() ** 2)
+        self._squares[unit] = float(squared_norm(total))
         self._write(unit, total)
 
     def get(self, unit: int) -> torch.Tensor:

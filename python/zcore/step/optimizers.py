@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from zcore.config.schema import Config
-from zcore.errors import ConfigError
+from zcore.errors import ConfigError, InvalidArgumentError
 from zcore.optim import CompressedAdam, CPUAdam, OneBitAdam, ZeroOneAdam
-from zcore.config.optimizer import OneBitAdamConfig, ZeroOneAdamConfig
+from zcore.optim.matrix_optimizer import MatrixAndElementwise, MatrixOptimizer, check_matrix_params
+from zcore.optim.muon import Muon
+from zcore.config.optimizer import MuonConfig, MuonParams, OneBitAdamConfig, ZeroOneAdamConfig
 from zcore.config.policies import OffloadPolicy, Tier
 
 # Optimizers whose update is element-wise, so that running them on any slice
@@ -38,6 +40,46 @@ _ELEMENTWISE = (
 class ParamGroups:
     groups: list[dict]  # the user's groups: "params" (model parameters) + hyper-parameters
     trainable: list[torch.nn.Parameter]  # every trained parameter once, in group order
+    # The first groups, those of the configured Muon's matrices (the rest: its AdamW's).
+    matrix_groups: int = 0
+
+
+def combine_optimizers(optimizer: Any) -> Any:
+    """The optimizer zcore.initialize was given as one: a whole-matrix
+    optimizer and an element-wise one (``(torch.optim.Muon(...),
+    torch.optim.AdamW(...))``, over the user's split) as MatrixAndElementwise;
+    a whole-matrix optimizer alone likewise; anything else as it is."""
+    if isinstance(optimizer, (list, tuple)):
+        matrix = [o for o in optimizer if _matrix_optimizer(o) is not None]
+        others = [o for o in optimizer if _matrix_optimizer(o) is None]
+        if len(optimizer) != 2 or len(matrix) != 1 or not isinstance(others[0], torch.optim.Optimizer):
+            raise InvalidArgumentError(
+                f"zcore.initialize(optimizer=...) takes a pair only as a whole-matrix optimizer (torch.optim.Muon "
+                f"or a zcore.optim.MatrixOptimizer) and an element-wise torch optimizer (AdamW) for the other "
+                f"parameters; got {[type(o).__name__ for o in optimizer]}",
+                argument="optimizer",
+            )
+        return _combined(_matrix_optimizer(matrix[0]), others[0])
+    matrix_alone = _matrix_optimizer(optimizer)
+    if matrix_alone is not None:
+        return _combined(matrix_alone, None)
+    return optimizer
+
+
+def _combined(matrix: MatrixOptimizer, elementwise: Optional[torch.optim.Optimizer]) -> MatrixAndElementwise:
+    check_matrix_params(type(matrix).__name__, matrix.param_groups)  # the model's parameters, before re-pointing
+    return MatrixAndElementwise(matrix, elementwise)
+
+
+def _matrix_optimizer(optimizer: Any) -> Optional[MatrixOptimizer]:
+    """zcore's view of a whole-matrix optimizer: itself, or for a
+    torch.optim.Muon (torch 2.9 and later) a zcore Muon over its groups."""
+    if isinstance(optimizer, MatrixOptimizer):
+        return optimizer
+    torch_muon = getattr(torch.optim, "Muon", None)
+    if torch_muon is not None and isinstance(optimizer, torch_muon):
+        return Muon.from_torch(optimizer)
+    return None
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
@@ -54,7 +96,9 @@ def collect_param_groups(
     model: torch.nn.Module,
     optimizer: Union[None, torch.optim.Optimizer, Callable],
     model_parameters: Optional[Iterable],
+    configured: Any = None,
 ) -> ParamGroups:
+    """``configured``: the config's optimizer section (a Muon's splits the groups)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         if _has_stepped(optimizer):
             raise ValueError(
@@ -102,7 +146,45 @@ def collect_param_groups(
         )
     if not trainable:
         raise ValueError("the model has no parameter that requires grad: nothing to train")
+    if isinstance(configured, MuonConfig) and optimizer is None:
+        return _muon_split(groups, names, configured.params)
     return ParamGroups(groups=groups, trainable=trainable)
+
+
+# The keys of a user's group that each half of DeepSpeed's Muon split takes.
+_MUON_KEYS = ("lr", "momentum", "weight_decay")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def uses_muon(name: str, p: torch.nn.Parameter) -> bool:
+    """DeepSpeed's split: Muon for parameters of two or more dimensions whose
+    names hold neither "embed" nor "lm_head"; a ``use_muon`` attribute the
+    user set on the parameter decides instead."""
+    chosen = getattr(p, "use_muon", None)
+    if chosen is not None:
+        return bool(chosen)
+    return p.dim() >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def _muon_split(groups: list[dict], names: dict[int, str], params: MuonParams) -> ParamGroups:
+    """Each group's Muon half, then each group's AdamW half (empty halves
+    dropped), with the config's values under the group's own, as DeepSpeed
+    resolves them."""
+    muon_defaults = {"lr": params.muon_step_size, "momentum": params.momentum, "weight_decay": params.weight_decay}
+    adam_defaults = {"lr": params.adam_step_size, "betas": params.betas, "eps": params.eps,
+                     "weight_decay": params.weight_decay}
+    halves: dict[bool, list[dict]] = {True: [], False: []}
+    for group in groups:
+        for muon, keys, defaults in ((True, _MUON_KEYS, muon_defaults), (False, _ADAM_KEYS, adam_defaults)):
+            half = [p for p in group["params"] if uses_muon(names[id(p)], p) is muon]
+            if half:
+                own = {k: v for k, v in group.items() if k in keys}
+                halves[muon].append({"params": half, **defaults, **own})
+    ordered = halves[True] + halves[False]
+    check_matrix_params("Muon (a parameter with use_muon set)", halves[True])
+    return ParamGroups(
+        groups=ordered, trainable=[p for g in ordered for p in g["params"]], matrix_groups=len(halves[True])
+    )
 
 
 def build_optimizer(
@@ -129,7 +211,11 @@ def build_optimizer(
         # Re-point the user's optimizer (so schedulers built on it keep working).
         for group, new in zip(optimizer.param_groups, piece_groups):
             group["params"] = new["params"]
-        _remake_construction_state(optimizer)
+        if isinstance(optimizer, MatrixAndElementwise):
+            if optimizer.elementwise is not None:
+                _remake_construction_state(optimizer.elementwise)
+        else:
+            _remake_construction_state(optimizer)
         return optimizer
     if optimizer is not None:
         built = optimizer(piece_groups)
@@ -150,6 +236,10 @@ def build_optimizer(
         compressed = _compressed_adam(cfg.optimizer, piece_groups)
         _check_compressed(compressed, cfg, offload)
         return compressed
+    if isinstance(cfg.optimizer, MuonConfig):
+        built = _muon_and_adamw(piece_groups, groups.matrix_groups, offload)
+        _check_swappable(built, offload)
+        return built
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
     if offload.optimizer is Tier.NVME and p.torch_adam:
@@ -166,6 +256,25 @@ def build_optimizer(
         )
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+
+
+def _muon_and_adamw(piece_groups: list[dict], matrix_groups: int, offload: OffloadPolicy) -> torch.optim.Optimizer:
+    """The configured Muon over the first ``matrix_groups`` groups (whose
+    values the split set: zcore.config.optimizer.MuonParams) and AdamW over
+    the others, zcore's fused CPU AdamW where the optimizer is offloaded
+    (DeepSpeed's choice too); AdamW alone where no parameter is a matrix."""
+    matrices, others = piece_groups[:matrix_groups], piece_groups[matrix_groups:]
+    adamw = None
+    if others:
+        adamw = (
+            CPUAdam(others, decoupled_weight_decay=True) if offload.optimizer is not Tier.DEVICE
+            else torch.optim.AdamW(others)
+        )
+    if not matrices:
+        assert adamw is not None  # collect_param_groups found something to train
+        return adamw
+    # torch.optim.Muon's nesterov and Newton-Schulz settings, as DeepSpeed's Muon has them.
+    return MatrixAndElementwise(Muon(matrices), adamw)
 
 
 def _remake_construction_state(optimizer: torch.optim.Optimizer) -> None:
@@ -219,6 +328,12 @@ def _check_compressed(optimizer: torch.optim.Optimizer, cfg: Config, offload: Of
 
 
 def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
+    if offload.optimizer is Tier.NVME and isinstance(optimizer, MatrixAndElementwise):
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device = 'nvme' streams Adam's states from disk in sub-groups; "
+            f"{type(optimizer.matrix).__name__}'s matrices are not stepped there yet: set offload_optimizer.device "
+            "to 'cpu' (the matrices step in host memory) or 'none'"
+        )
     if offload.optimizer is Tier.NVME and not isinstance(optimizer, CPUAdam):
         raise ConfigError(
             f"zero_optimization.offload_optimizer.device = 'nvme' steps the states on disk with "
@@ -229,6 +344,10 @@ def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -
 
 def _check_elementwise(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
     stage = cfg.zero_optimization.stage
+    if isinstance(optimizer, MatrixAndElementwise):  # the matrices step whole (zcore.step.matrix_step)
+        if optimizer.elementwise is not None:
+            _check_elementwise(optimizer.elementwise, cfg)
+        return
     if stage == 0 or isinstance(optimizer, _ELEMENTWISE) or cfg.zero_allow_untested_optimizer:
         return
     raise ConfigError(

@@ -161,6 +161,11 @@ class TorchUpdate:
     def close(self) -> None:
         return None
 
+    def check_saveable(self) -> None:
+        """Raises CheckpointError where a checkpoint cannot hold the
+        optimizer's state (zcore.step.matrix_step); the same on every rank."""
+        return None
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state in memory: fp32 master plus the inner
         optimizer's state tensors."""
@@ -407,6 +412,11 @@ class ShardedOptimizer:
         """Bytes of optimizer state in memory on this rank (fp32 master and
         the inner optimizer's states)."""
         return self.update.state_bytes()
+
+    def check_saveable(self) -> None:
+        """Raises CheckpointError, on every rank alike, where a checkpoint
+        cannot hold the optimizer's state yet."""
+        self.update.check_saveable()
 
     def close(self) -> None:
         """Removes the swap file of optimizer states on NVMe, if any."""

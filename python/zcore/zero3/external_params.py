@@ -68,6 +68,28 @@ class ExternalParameters:
                 self._sites.name(caller.site), what,
             )
 
+    def declare(self, k: int, group: int, hooked_now: bool) -> None:
+        """Hooked module ``k`` needs ``group`` from now on
+        (zcore.register_external_parameter). A declaration made inside a
+        forward (as GatheredParameters' fwd_module makes it) holds for the
+        calls running: a call of ``k`` takes the group over for the rest
+        of its forward and for its backward; where ``k`` was ``hooked_now``
+        (its running call, if any, began unhooked), the innermost running
+        call takes it over for this call, as for a returned parameter."""
+        self._sites.add_to_module(k, group)
+        running = self._calls.running_calls()
+        takers = running[-1:] if hooked_now else [c for c in running if c.index == k]
+        for call in takers:
+            if group in self._sites.groups(call.site):
+                continue
+            self._plans.enter(self._sites.for_groups([group]))  # gathered now, left with the call
+            call.site = (
+                self._sites.site(k) if call.index == k
+                else self._sites.for_groups([*self._sites.groups(call.site), group])
+            )
+            if call.exit is BackwardExit.PARAMETER_GRADIENTS:
+                self._calls.await_grads(call, [group])
+
     def group_viewed_by(self, t: torch.Tensor) -> Optional[int]:
         """The group of a zcore parameter, or of a gathered buffer ``t`` views."""
         group = self._group_of_param.get(id(t))

@@ -49,11 +49,12 @@ class BackwardExit(Enum):
 class ModuleCall:
     """One call of hooked module ``index``, using coordinator module ``site``."""
 
-    __slots__ = ("index", "site", "state", "exit", "grads_to_come")
+    __slots__ = ("index", "site", "state", "exit", "grads_to_come", "recomputed")
 
     def __init__(self, index: int, site: int, recomputed: bool) -> None:
         self.index = index
         self.site = site  # grows when the call takes over a returned parameter
+        self.recomputed = recomputed  # a forward run again inside backward
         self.state = CallState.RECOMPUTING if recomputed else CallState.FORWARD
         self.exit = BackwardExit.INPUT_GRADIENTS
         self.grads_to_come = 0  # PARAMETER_GRADIENTS: trained parameters' gradients still to come
@@ -87,9 +88,13 @@ class CallTracker:
     """The calls running forward (a stack), in backward, waiting for their
     parameters' gradients, and the recomputations holding their groups."""
 
-    def __init__(self, plans: PlanExecutor, groups: list[ShardedGroup]) -> None:
+    def __init__(
+        self, plans: PlanExecutor, groups: list[ShardedGroup], on_left: Callable[[ModuleCall], None]
+    ) -> None:
+        """``on_left(call)``: after ``call`` leaves its backward."""
         self._plans = plans
         self._groups = groups
+        self._on_left = on_left
         self._running: list[ModuleCall] = []
         self._in_backward: dict[int, ModuleCall] = {}  # id(call) -> call
         self._awaiting: dict[int, list[ModuleCall]] = {}  # id(param) -> calls waiting for its gradient
@@ -98,6 +103,10 @@ class CallTracker:
     def running(self) -> Optional[ModuleCall]:
         """The innermost call running forward."""
         return self._running[-1] if self._running else None
+
+    def running_calls(self) -> list[ModuleCall]:
+        """The calls running forward, outermost first."""
+        return list(self._running)
 
     def running_sites(self) -> list[int]:
         return [c.site for c in self._running]
@@ -134,6 +143,7 @@ class CallTracker:
         held = self._holds.get(call.index)
         if held:
             self._plans.leave(held.pop(0).site)
+        self._on_left(call)
 
     def exit_backward_after_grads(self, call: ModuleCall) -> None:
         call.exit = BackwardExit.PARAMETER_GRADIENTS

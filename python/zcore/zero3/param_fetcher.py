@@ -8,6 +8,7 @@ a step, each in its own module:
   with activation checkpointing's recomputations;
 - zcore.zero3.saved_views: tensors autograd saves that view gathered buffers;
 - zcore.zero3.external_params: parameters used outside their module;
+- zcore.zero3.leaf_reductions: when a leaf module's gradients may be reduced;
 - zcore.zero3.use_sites: the coordinator modules entered and left, and names;
 - zcore.zero3.secondary_partition: where all-gathers go (hpZ: within a block of
   ranks, from secondaries kept after a gather over the world).
@@ -37,6 +38,8 @@ from zcore.comm import collectives as comm
 from zcore.zero3.external_params import ExternalParameters
 from zcore.errors import ConfigError
 from zcore.zero3.gather_buffers import BufferStats, GatherBuffers, arena_capacity
+from zcore.zero3.leaf_modules import z3_leaf_module
+from zcore.zero3.leaf_reductions import LeafReductions
 from zcore.memory.host_memory import PAGE_ALIGNMENT
 from zcore.zero3.module_calls import CallTracker, ModuleCall
 from zcore.zero3.pending_backwards import PendingBackwards
@@ -155,7 +158,8 @@ class ParamFetcher:
             self.coordinator, groups, self.buffers, self._store, self._sites, shard, check_every_module,
             self.gathers, self.data_parallel,
         )
-        self._calls = CallTracker(self._plans, groups)
+        self._leaves = LeafReductions(self._leaf_groups(modules))
+        self._calls = CallTracker(self._plans, groups, self._leaves.left)
         self._pending = PendingBackwards()
         self._told_open_at_update = False
         self._saved = SavedViews(self.buffers, self.group_of_param, self._plans.gathered, self._names.shapes_of)
@@ -164,6 +168,7 @@ class ParamFetcher:
         )
         self._master_writer: Optional[Callable[[ShardedGroup, torch.Tensor], None]] = None
         self._released_check = ReleasedParameterCheck(self._released, self._names.param, self._describe_module)
+        self._units: set[int] = set()  # hooked modules that run compiled (add_unit)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -180,7 +185,10 @@ class ParamFetcher:
                 self.end_step()  # the previous forward had no backward
             self.coordinator.begin_step(TRAIN if grad else NO_GRAD)
         # A key's first step records its trace: check every operator then.
-        check = self._released_check if self.coordinator.recording else contextlib.nullcontext()
+        # Not with compiled units: Dynamo would trace the check's torch
+        # function mode into their graphs, and recompile them once it is gone.
+        recording = self.coordinator.recording and not self._units
+        check = self._released_check if recording else contextlib.nullcontext()
         try:
             with (
                 self._saved.composed_with(hooks_in_force()),
@@ -234,6 +242,7 @@ class ParamFetcher:
     def _close_step(self) -> None:
         self._pending.clear()
         self._calls.end_step()
+        self._leaves.end_step()
         self._plans.execute(self.coordinator.end_step())
         notice = self.coordinator.take_departure_notice()
         if notice is not None:
@@ -247,6 +256,7 @@ class ParamFetcher:
     def abort(self) -> None:
         self._pending.clear()
         self._calls.abort()
+        self._leaves.end_step()
         self._plans.execute(self.coordinator.abort_step())
 
     def abort_after(self, exc: BaseException) -> None:
@@ -355,10 +365,17 @@ class ParamFetcher:
 
     # The hooks' side: module calls.
     def enter_forward(self, k: int) -> ModuleCall:
-        return self._calls.enter_forward(k, self._sites.site(k))
+        call = self._calls.enter_forward(k, self._sites.site(k))
+        self._leaves.entered(call, torch.is_grad_enabled())
+        return call
 
-    def exit_forward(self, returned: list[torch.Tensor]) -> ModuleCall:
-        """``returned``: the tensors in the module's output."""
+    def exit_forward(self, k: int, returned: list[torch.Tensor]) -> Optional[ModuleCall]:
+        """``returned``: the tensors in hooked module ``k``'s output. None
+        where no call of ``k`` runs: it was hooked during its own forward
+        (zcore.register_external_parameter there), after entering it."""
+        call = self._calls.running()
+        if call is None or call.index != k:
+            return None
         return self._calls.exit_forward(lambda caller: self._external.hand_over(returned, caller))
 
     def enter_backward(self, call: ModuleCall) -> None:
@@ -371,8 +388,12 @@ class ParamFetcher:
         """``call``'s inputs need no gradient, so nothing marks the end of
         its backward but the gradients of its trained parameters: all of
         its backward nodes lead to them (note "backward without input
-        gradients" in zcore.engine.hooks)."""
-        self._calls.exit_backward_after_grads(call)
+        gradients" in zcore.engine.hooks). A leaf module's call stays in
+        backward until the step ends instead: which of its parameters get
+        gradients differs by rank (note "leaf gradients" in
+        zcore.zero3.leaf_reductions)."""
+        if not self._leaves.is_leaf(call.index):
+            self._calls.exit_backward_after_grads(call)
 
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """Autograd accumulates a parameter's gradient once per backward,
@@ -403,9 +424,55 @@ class ParamFetcher:
         """A module to hook, needing ``group_ids``; returns its index k."""
         return self._sites.add_module(module, group_ids)
 
-    def add_to_module(self, k: int, group: int) -> None:
-        """Hooked module ``k`` also needs ``group`` from now on."""
-        self._sites.add_to_module(k, group)
+    def add_to_module(self, k: int, group: int, hooked_now: bool = False) -> None:
+        """Hooked module ``k`` also needs ``group`` from now on; ``hooked_now``:
+        ``k`` was just added (zcore.zero3.external_params.ExternalParameters.declare)."""
+        self._external.declare(k, group, hooked_now)
+
+    def leaf_groups(self) -> list[int]:
+        """The trained groups whose gradients are reduced only once their
+        leaf module's calls have left backward (zcore.zero3.leaf_reductions)."""
+        return self._leaves.held_groups()
+
+    def set_leaf_release(self, release: Callable[[list[int]], None]) -> None:
+        """``release(groups)``: the reducer may reduce these leaf groups now."""
+        self._leaves.set_release(release)
+
+    def _leaf_groups(self, modules: list[tuple[torch.nn.Module, list[int]]]) -> dict[int, list[int]]:
+        """Per hooked leaf module: the trained groups its subtree owns."""
+        found = {}
+        for module, ids in modules:
+            if z3_leaf_module(module):
+                subtree = {id(p) for p in module.parameters()}
+                found[self._sites.index(module)] = [
+                    g for g in ids
+                    if self.groups[g].trainable and all(id(p) in subtree for p in self.groups[g].params)
+                ]
+        return found
+
+    def add_unit(self, module: torch.nn.Module) -> tuple[int, list[int]]:
+        """``module`` runs compiled: it is hooked as one unit that needs
+        every group its subtree uses (note "compiled units" in
+        zcore.engine.compiled_units). Returns its index k and the hooked
+        modules it gathers for (itself among them, if it was hooked), which
+        are entered no more."""
+        inside = {id(m) for m in module.modules()}
+        taken = [k for k, hooked in enumerate(self._sites.modules) if id(hooked) in inside]
+        groups = dict.fromkeys(self.group_of_param[id(p)] for p in module.parameters())
+        for k in taken:
+            groups.update(dict.fromkeys(self._sites.groups(self._sites.site(k))))
+        k = self._sites.index(module)
+        if k is None:
+            k = self._sites.add_module(module, list(groups))
+        else:
+            for g in groups:
+                self._sites.add_to_module(k, g)
+        self._units.add(k)
+        return k, taken
+
+    def remove_from_module(self, k: int, group: int) -> None:
+        """Hooked module ``k`` no longer needs ``group`` (unregister_external_parameter)."""
+        self._sites.remove_from_module(k, group)
 
     def set_master_writer(self, writer: Callable[[ShardedGroup, torch.Tensor], None]) -> None:
         """How a changed shard's values reach the fp32 master (GatheredParameters)."""

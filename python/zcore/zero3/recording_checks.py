@@ -69,7 +69,9 @@ class RankAgreement:
             "Parameters are gathered with collectives, so every rank must run "
             "the same modules in the same order: make a data-dependent choice the same on every "
             "rank (e.g. all_reduce its condition), or run the module on every rank and discard "
-            "its output where it is not wanted",
+            "its output where it is not wanted; where ranks choose among parts of one module "
+            "(mixture-of-experts routing), mark that module a leaf, gathered whole: "
+            "zcore.set_z3_leaf_modules(model, [ItsClass]) before zcore.initialize",
             running=running,
         )
 

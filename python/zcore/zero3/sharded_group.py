@@ -10,7 +10,10 @@ on the Parameter objects.
 Which parameters form which group (``plan_groups``): the direct parameters
 of each module, in ``named_modules()`` order; a Parameter shared by several
 modules (a tied embedding and LM head) belongs to the first that has it, and
-every module that has it lists its group among the groups it needs. Trained
+every module that has it lists its group among the groups it needs. A leaf
+module (zcore.zero3.leaf_modules) needs the groups of its whole subtree and
+the modules inside it need none: they are not hooked. The groups are the
+same with or without leaves, so the shards and checkpoints are too. Trained
 and frozen parameters (and parameters of different dtypes) go to separate
 groups, so a trained group is exactly a unit of the reducer and optimizer,
 and frozen ones take no gradient or optimizer memory.
@@ -27,6 +30,7 @@ from zcore.comm import collectives as comm
 from zcore.errors import InvalidStateError
 from zcore.parallel.dtensor import local_tensor, point_at
 from zcore.step.units import Piece, pieces_of
+from zcore.zero3.leaf_modules import z3_leaf_module
 from zcore.comm.topology import RankGroup
 
 
@@ -144,7 +148,8 @@ class GroupPlan:
     # Per module that owns parameters or meta buffers (zcore.zero3.meta_init
     # materialises those), in named_modules() order: its groups' params.
     owned: list[tuple[str, torch.nn.Module, list[list[torch.nn.Parameter]]]]
-    uses: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]  # per module: every direct param
+    # Per module to hook: every param it needs (direct ones; a leaf's: its subtree's).
+    uses: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]
 
 
 def plan_groups(model: torch.nn.Module, alone: frozenset[int] = frozenset()) -> GroupPlan:
@@ -152,6 +157,7 @@ def plan_groups(model: torch.nn.Module, alone: frozenset[int] = frozenset()) -> 
     tied across pipeline stages, whose gradient is summed with its copies')."""
     owner: set[int] = set()
     owned, uses = [], []
+    inside_leaf: set[int] = set()  # ids of the modules within a leaf's subtree, the leaf excluded
     for name, module in model.named_modules():
         direct = list(module.parameters(recurse=False))
         kinds: dict[tuple, list[torch.nn.Parameter]] = {}
@@ -162,6 +168,11 @@ def plan_groups(model: torch.nn.Module, alone: frozenset[int] = frozenset()) -> 
                 kinds.setdefault(kind, []).append(p)
         if kinds or any(b.is_meta for b in module.buffers(recurse=False)):
             owned.append((name, module, list(kinds.values())))
+        if id(module) in inside_leaf:
+            continue
+        if z3_leaf_module(module):
+            inside_leaf.update(id(m) for m in module.modules() if m is not module)
+            direct = list(module.parameters())
         if direct:
             uses.append((module, direct))
     return GroupPlan(model=model, owned=owned, uses=uses)

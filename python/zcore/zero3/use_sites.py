@@ -83,6 +83,12 @@ class UseSites:
         if group not in groups:
             self._site[k] = self._register(groups + [group], self._name[self._site[k]])
 
+    def remove_from_module(self, k: int, group: int) -> None:
+        """Hooked module ``k`` no longer needs ``group``."""
+        groups = list(self.groups(self._site[k]))
+        if group in groups:
+            self._site[k] = self._register([g for g in groups if g != group], self._name[self._site[k]])
+
     def for_groups(self, group_ids: list[int]) -> int:
         """The site of a use of exactly these groups (made on first request)."""
         key = tuple(sorted(set(group_ids)))

@@ -1,0 +1,263 @@
+"""zcore.zero, DeepSpeed's deepspeed.zero names: Init builds a model that is
+never whole on a rank; GatheredParameters(..., modifier_rank=0) lets rank 0
+change weights that every rank then trains from; register_external_parameter
+(in a module's __init__, and through GatheredParameters' fwd_module) as
+DeepSpeed documents it, and unregister_external_parameter. One spawn of two
+ranks runs the distributed checks; the arguments' checks run here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcore
+from distributed import run_ranks
+
+TIMEOUT = 240
+LR, WEIGHT_DECAY = 1e-2, 0.01
+ROWS = 4  # per rank
+
+
+def config(stage: int = 3) -> dict:
+    return {
+        "train_batch_size": 2 * ROWS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "eps": 1e-4}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class ExternalNet(nn.Module):
+    """DeepSpeed's documented use: layer1's weight is used again by the parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(6, 6, bias=False)
+        self.layer2 = nn.Linear(6, 3)
+        zcore.zero.register_external_parameter(self, self.layer1.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layer1(x))
+        return self.layer2(h @ self.layer1.weight)
+
+
+class FwdModuleNet(ExternalNet):
+    """The same use, declared where it happens (GatheredParameters' fwd_module)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.layer1 = nn.Linear(6, 6, bias=False)
+        self.layer2 = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layer1(x))
+        with zcore.zero.GatheredParameters(self.layer1.weight, fwd_module=self):
+            return self.layer2(h @ self.layer1.weight)
+
+
+class Block(FwdModuleNet):
+    """fwd_module a module that holds no parameter of its own: zcore hooks it
+    during its first forward."""
+
+
+class BlockFwdModuleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def data(step: int, world: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(world * ROWS, 6, generator=g), torch.randint(0, 3, (world * ROWS,), generator=g)
+
+
+def train(engine, rank: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        x, y = data(step)
+        loss = nn.functional.cross_entropy(engine(x[rank * ROWS:(rank + 1) * ROWS]), y[rank * ROWS:(rank + 1) * ROWS])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / 2)
+    return losses
+
+
+def values(model: nn.Module) -> dict[str, torch.Tensor]:
+    with zcore.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def built_under_init(rank: int, world: int) -> dict:
+    with zcore.zero.Init(config_dict_or_path=config()):
+        model = Net()
+    on_meta = all(p.is_meta for p in model.parameters())
+    engine, *_ = zcore.initialize(model=model, config=config())
+    # Between uses a rank holds its shards only: the parameters are empty placeholders.
+    held = sum(p.data.numel() for p in model.parameters())  # numel() counts a sharded parameter whole
+    built = values(model)
+    with zcore.zero.GatheredParameters(model.fc1.weight, modifier_rank=0):
+        with torch.no_grad():
+            if rank == 0:
+                model.fc1.weight.copy_(torch.arange(48.0).reshape(8, 6) / 100)
+            else:
+                model.fc1.weight.fill_(-1.0)  # another rank's change is not kept
+    modified = values(model)
+    losses = train(engine, rank, 2)
+    trained = values(model)
+    engine.destroy()
+    return {"on_meta": on_meta, "held": held, "built": built, "modified": modified, "losses": losses, "trained": trained}
+
+
+def external_uses(rank: int, world: int) -> dict:
+    out = {}
+    for cls in (ExternalNet, FwdModuleNet, BlockFwdModuleNet):
+        torch.manual_seed(0)
+        model = cls()
+        engine, *_ = zcore.initialize(model=model, config=config())
+        out[cls.__name__] = {"losses": train(engine, rank, 3), "params": values(model)}
+        engine.destroy()
+    # Declared, then withdrawn before initialize: the first forward finds the undeclared use.
+    torch.manual_seed(0)
+    model = ExternalNet()
+    zcore.zero.unregister_external_parameter(model, model.layer1.weight)
+    engine, *_ = zcore.initialize(model=model, config=config())
+    try:
+        train(engine, rank, 1)
+        out["withdrawn"] = "trained"
+    except zcore.InvalidStateError as failure:
+        out["withdrawn"] = str(failure)
+    engine.destroy()
+    return out
+
+
+def distributed_checks(rank: int, world: int) -> dict:
+    return {"init": built_under_init(rank, world), "external": external_uses(rank, world)}
+
+
+def reference_net() -> Net:
+    """zcore.MetaInit's contract: each module's reset_parameters() under its own seed."""
+    model = Net()
+    for name, module in model.named_modules():
+        if list(module.parameters(recurse=False)):
+            torch.manual_seed(zcore.MetaInit().module_seed(name))
+            module.reset_parameters()
+    return model
+
+
+def train_reference(model: nn.Module, steps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-4)
+    losses = []
+    for step in range(steps):
+        x, y = data(step)
+        halves = [nn.functional.cross_entropy(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]) for r in range(2)]
+        (sum(halves) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(h.item() for h in halves) / 2)
+    return losses
+
+
+def assert_close(got: dict, model: nn.Module, what: str) -> None:
+    for name, value in model.named_parameters():
+        err = (got[name] - value.detach()).abs().max().item()
+        assert err <= 1e-6, f"{what}: {name} off by {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(distributed_checks, 2, timeout=TIMEOUT)
+
+
+def test_init_builds_sharded_and_rank_0_modifies_what_every_rank_trains(ranks):
+    ref = reference_net()
+    for rank, got in enumerate(r["init"] for r in ranks):
+        assert got["on_meta"], "Init built real parameters"
+        assert got["held"] == 0, f"rank {rank} holds whole parameters"
+        assert_close(got["built"], ref, f"rank {rank} built")
+    with torch.no_grad():
+        ref.fc1.weight.copy_(torch.arange(48.0).reshape(8, 6) / 100)
+    losses = train_reference(ref, 2)
+    for rank, got in enumerate(r["init"] for r in ranks):
+        assert torch.equal(got["modified"]["fc1.weight"], torch.arange(48.0).reshape(8, 6) / 100), rank
+        assert got["losses"] == pytest.approx(losses, abs=1e-6)
+        assert_close(got["trained"], ref, f"rank {rank} trained")
+
+
+@pytest.mark.parametrize("cls", [ExternalNet, FwdModuleNet, BlockFwdModuleNet])
+def test_external_parameters_declared_as_deepspeed_documents_train_exactly(ranks, cls):
+    torch.manual_seed(0)
+    ref = cls()
+    losses = train_reference(ref, 3)
+    for rank, got in enumerate(r["external"][cls.__name__] for r in ranks):
+        assert got["losses"] == pytest.approx(losses, abs=1e-6), rank
+        assert_close(got["params"], ref, f"rank {rank} {cls.__name__}")
+
+
+def test_a_withdrawn_external_parameter_is_an_undeclared_use_again(ranks):
+    for got in (r["external"]["withdrawn"] for r in ranks):
+        assert "'layer1.weight'" in got and "zcore.register_external_parameter(module, param)" in got, got
+
+
+def test_unregistering_what_was_never_registered_is_refused():
+    model = Net()
+    with pytest.raises(zcore.InvalidArgumentError, match="not a registered external parameter"):
+        zcore.zero.unregister_external_parameter(model, model.fc1.weight)
+    with pytest.raises(zcore.InvalidArgumentError, match="takes a torch.nn.Parameter"):
+        zcore.zero.register_external_parameter(model, torch.zeros(2))
+
+
+def test_init_disabled_builds_as_usual_and_meta_parameters_cannot_be_gathered():
+    with zcore.zero.Init(enabled=False):
+        real = Net()
+    assert not any(p.is_meta for p in real.parameters())
+    with zcore.zero.GatheredParameters(real.parameters(), enabled=False) as gathered:
+        assert gathered == list(real.parameters())
+    with zcore.zero.Init(dtype=torch.float32):
+        model = Net()
+    assert all(p.is_meta for p in model.parameters())
+    assert not torch.empty(1).is_meta  # the block ended
+    with pytest.raises(zcore.InvalidStateError, match="meta device"):
+        zcore.zero.GatheredParameters(model.fc1.weight, modifier_rank=0)
+
+
+@pytest.mark.parametrize(
+    "arguments, refused",
+    [
+        ({"mpu": object()}, "device_mesh"),
+        ({"sequence_data_parallel_group": object()}, "no sequence parallelism"),
+        ({"zero_quantized_nontrainable_weights": True}, "frozen weights"),
+        ({"zero_quantized_weights": True}, "zero_quantized_weights to true"),
+        ({"dtype": torch.int8}, "float32, bfloat16 or float16"),
+        ({"dtype": torch.bfloat16, "config_dict_or_path": config()}, "compute dtype"),
+        ({"config": config(stage=2)}, "only ZeRO stage 3"),
+    ],
+)
+def test_init_refuses_what_would_change_results(arguments, refused):
+    with pytest.raises(zcore.ZcoreError, match=refused):
+        zcore.zero.Init(**arguments)
+
+
+def test_init_accepts_deepspeed_tuning_arguments():
+    with zcore.zero.Init(
+        mem_efficient_linear=False, remote_device="cpu", pin_memory=True, zero_param_parallel_group=object(),
+        param_swapper=object(), tensor_overrides=[], dtype=torch.bfloat16,
+        config_dict_or_path={**config(), "bf16": {"enabled": True}},
+    ):
+        model = Net()
+    assert all(p.is_meta for p in model.parameters())
