@@ -147,16 +147,17 @@ def main() -> None:
     ddp = statistics.median(r["median_ms"] for r in runs["ddp"]) if "ddp" in runs else None
     print(f"\nGPT 23.2M params, fp32, 2 gloo ranks x 1 thread, micro-batch {MICRO_BATCH}, "
           f"{args.steps} timed steps x {args.repeats} round(s)")
-    print(f"{'system':14}{'step ms (median)':>18}{'range':>16}{'vs DDP':>8}{'peak RSS MiB r0/r1':>22}")
+    width = max(14, *(len(system) + 2 for system in args.systems))
+    print(f"{'system':{width}}{'step ms (median)':>18}{'range':>16}{'vs DDP':>8}{'peak RSS MiB r0/r1':>22}")
     for system, rs in runs.items():
         med = statistics.median(r["median_ms"] for r in rs)
         lo = min(r["min_ms"] for r in rs)
         hi = max(r["max_ms"] for r in rs)
         rel = f"{med / ddp:.2f}x" if ddp else "-"
         rss = "/".join(f"{max(r['peak_rss_mib'][i] for r in rs):.0f}" for i in (0, 1))
-        print(f"{system:14}{med:>18.0f}{f'{lo:.0f}-{hi:.0f}':>16}{rel:>8}{rss:>22}")
+        print(f"{system:{width}}{med:>18.0f}{f'{lo:.0f}-{hi:.0f}':>16}{rel:>8}{rss:>22}")
     for system, error in failed.items():
-        print(f"{system:14}  failed: {error}")
+        print(f"{system:{width}}  failed: {error}")
 
 
 if __name__ == "__main__":

@@ -411,6 +411,20 @@ DESCRIPTIONS: dict[str, str] = {
     "FlopsProfilerConfig.top_modules": "Module classes listed per depth by parameters, FLOPs and latency.",
     "FlopsProfilerConfig.detailed": "Prints the module tree with each module's figures.",
     "FlopsProfilerConfig.output_file": "File to write the profile to; null prints it on stdout.",
+    # out_of_step_check
+    "OutOfStepCheckConfig.enabled": (
+        "Whether a rank whose engine call raised (forward, backward or step) and that goes on anyway makes "
+        "every rank raise within seconds, naming that rank and what each was doing, instead of leaving them "
+        "waiting in its collectives until the process group's timeout. It costs nothing while the ranks agree: "
+        "a rank writes to the process group's store only when a call raises or a collective waits longer "
+        "than a second. Ranks whose calls all raise alike go on. Waiting ranks are watched on gloo; with "
+        "NCCL, the rank whose call raised still raises at its next call."
+    ),
+    "OutOfStepCheckConfig.patience_seconds": (
+        "How long a rank whose call raised waits, at its next call, for every other rank to say where it is "
+        "(ranks waiting in zcore's collectives say so within a second or two); past it, it raises naming "
+        "the ranks that did not."
+    ),
 }
 
 # What each section is for, by its class (sections with a class docstring
@@ -441,6 +455,7 @@ SECTION_DESCRIPTIONS: dict[str, str] = {
     ),
     "wandb": "Step metrics logged to Weights & Biases (rank 0).",
     "flops_profiler": "DeepSpeed's flops profiler, at one step.",
+    "out_of_step_check": "Ranks whose engine calls fell out of step (one rank's call raised and it went on).",
 }
 
 # Keys DeepSpeed does not have: zcore's own.
@@ -448,6 +463,8 @@ ZCORE_ONLY = {
     "bf16.cast_buffers",
     "fp16.cast_buffers",
     "zero_optimization.stage3_rank_agreement_check",
+    "out_of_step_check.enabled",
+    "out_of_step_check.patience_seconds",
 }
 
 # Other names DeepSpeed reads for a key, which zcore reads too.

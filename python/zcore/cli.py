@@ -37,7 +37,12 @@ def local_ranks(minimum: int):
     before torch's launcher, which would fail with a bare AssertionError."""
 
     def parse(text: str) -> int:
-        value = at_least(minimum)(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of processes") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} processes: this starts at least {minimum}")
         most, why = runnable_ranks()
         if value > most:
             raise argparse.ArgumentTypeError(f"{value} processes: this machine runs at most {most} ({why})")
@@ -116,7 +121,7 @@ def at_least(minimum: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}, the least this takes")
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
         return value
 
     return parse

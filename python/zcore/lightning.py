@@ -87,7 +87,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.core.optimizer import (
+    _init_optimizers_and_lr_schedulers,
+    _MockOptimizer,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -221,7 +224,9 @@ class ZcoreStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register("zcore", cls, description="zcore, the ZeRO stage from its config (default 0)")
         for stage in (1, 2, 3):
-            strategy_registry.register(f"zcore_stage_{stage}", cls, description=f"zcore ZeRO stage {stage}", stage=stage)
+            strategy_registry.register(
+                f"zcore_stage_{stage}", cls, description=f"zcore ZeRO stage {stage}", stage=stage
+            )
         strategy_registry.register(
             "zcore_stage_3_offload", cls, description="zcore ZeRO stage 3, parameters and optimizer in host memory",
             stage=3, offload_optimizer=True, offload_parameters=True,
@@ -384,7 +389,8 @@ class ZcoreStrategy(DDPStrategy):
             )
         filepath = self.broadcast(filepath)  # rank 0's name (ModelCheckpoint may format it per rank)
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self._engine_for("save a checkpoint").save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=lightning_state)
+        engine = self._engine_for("save a checkpoint")
+        engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=lightning_state)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the weights (and when fitting, the optimizer states and
@@ -541,22 +547,22 @@ def _refuse_for_fit(trainer: Trainer, module: LightningModule, sync_batchnorm: b
     """What Lightning offers for a fit that zcore would not honour."""
     name = type(module).__name__
     refusals = [
-        (not module.automatic_optimization,
-         f"{name} uses manual optimization; zcore must know at each backward whether it ends an "
-         "accumulation (it reduces the gradients then), which Lightning's automatic optimization tells "
-         "it: set automatic_optimization = True"),
-        (trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE,
-         "Trainer(gradient_clip_algorithm='value'): zcore clips by the global norm of the sharded gradients; "
-         "use gradient_clip_algorithm='norm'"),
-        (is_overridden("configure_gradient_clipping", module, LightningModule),
-         f"{name} overrides configure_gradient_clipping, which would see no gradients (they are zcore's "
-         "shards); clip with Trainer(gradient_clip_val=...), by norm in zcore's step"),
-        (is_overridden("backward", module, LightningModule),
-         f"{name} overrides backward, which zcore runs itself (loss scaling, gradients reduced as they "
-         "come); remove the override"),
-        (sync_batchnorm,
-         "Trainer(sync_batchnorm=True) converts the module for DDP, which zcore does not do; convert it in "
-         "configure_model with torch.nn.SyncBatchNorm.convert_sync_batchnorm"),
+        (not module.automatic_optimization, (
+            f"{name} uses manual optimization; zcore must know at each backward whether it ends an "
+            "accumulation (it reduces the gradients then), which Lightning's automatic optimization tells "
+            "it: set automatic_optimization = True")),
+        (trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE, (
+            "Trainer(gradient_clip_algorithm='value'): zcore clips by the global norm of the sharded "
+            "gradients; use gradient_clip_algorithm='norm'")),
+        (is_overridden("configure_gradient_clipping", module, LightningModule), (
+            f"{name} overrides configure_gradient_clipping, which would see no gradients (they are zcore's "
+            "shards); clip with Trainer(gradient_clip_val=...), by norm in zcore's step")),
+        (is_overridden("backward", module, LightningModule), (
+            f"{name} overrides backward, which zcore runs itself (loss scaling, gradients reduced as they "
+            "come); remove the override")),
+        (sync_batchnorm, (
+            "Trainer(sync_batchnorm=True) converts the module for DDP, which zcore does not do; convert it "
+            "in configure_model with torch.nn.SyncBatchNorm.convert_sync_batchnorm")),
     ]
     for refused, reason in refusals:
         if refused:

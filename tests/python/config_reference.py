@@ -86,6 +86,7 @@ BASE = {
     },
     "communication_data_type": "fp32",
     "steps_per_print": 100,
+    "out_of_step_check": {"enabled": True, "patience_seconds": 300},
     "zero_allow_untested_optimizer": False,
     "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
     "wall_clock_breakdown": False, "dump_state": False, "memory_breakdown": False,
@@ -436,6 +437,7 @@ SCHEMA = Section({
     "steps_per_print": either(integer(1), lambda v: LIMIT if v is None or (type(v) is float and v == math.inf)
                               else REFUSED),
     "zero_allow_untested_optimizer": boolean,
+    "out_of_step_check": Section({"enabled": boolean, "patience_seconds": real(0.0, strict=True)}),
     **{k: tuning("bool") for k in ("prescale_gradients", "dump_state", "memory_breakdown")},
     "sparse_gradients": deepspeed_default(False),
     "wall_clock_breakdown": boolean,

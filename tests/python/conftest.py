@@ -98,6 +98,33 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
+def small_ext4(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB ext4 filesystem on a loop device, with no blocks reserved
+    for root: filled, it has 0 bytes free, and even a new directory fails
+    with ENOSPC (tmpfs makes directories without blocks)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting an ext4 image needs root")
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        pytest.skip("no mkfs.ext4 or mount command on this machine")
+    image = tmp_path / "ext4.img"
+    with open(image, "wb") as f:
+        f.truncate(8 * 2**20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make an ext4 image here: {made.stderr.strip()}")
+    target = tmp_path / "ext4"
+    target.mkdir()
+    done = subprocess.run(["mount", "-o", "loop", str(image), str(target)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount an ext4 image here (no loop device?): {done.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        if os.path.ismount(target):
+            subprocess.run(["umount", "-l", str(target)], check=True)
+
+
+@pytest.fixture
 def nvme_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs: room for the tiny GPT's two swap files, and easy to fill."""
     yield from _mounted("tmpfs", tmp_path / "nvme", "size=8m")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zcore
@@ -230,6 +231,70 @@ def test_a_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(small_fs: P
     """A 2 MiB filesystem, filled up to 64 KiB after a first checkpoint: the
     second save fails, the first stays as it was."""
     run_ranks(full_disk, 1, str(small_fs), launcher=False)
+
+
+def fill_to_the_last_byte(root: Path) -> None:
+    """Writes a file into ``root`` until its filesystem has no byte left."""
+    fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (65536, 512):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    assert os.statvfs(root).f_bavail == 0
+
+
+def full_disk_at_the_directory(rank: int, world: int, root: str) -> None:
+    root = Path(root)
+    engine = trained_engine(steps=1)
+    engine.save_checkpoint(root, tag="small")
+    dist.barrier()
+    before = {f: (root / "small" / f).read_bytes() for f in os.listdir(root / "small")}
+    if rank == 0:
+        fill_to_the_last_byte(root)
+    dist.barrier()
+    with pytest.raises(zcore.DiskFullError) as caught:
+        engine.save_checkpoint(root, tag="big")
+    message = str(caught.value)
+    assert "no space left on the device creating the directory" in message, message
+    assert str(root / ".big.partial") in message and "bytes free" in message, message
+    if rank == 0:
+        assert caught.value.path == str(root / ".big.partial") and caught.value.available == 0
+        assert f"it needs {os.statvfs(root).f_frsize} bytes, its filesystem has 0 bytes free" in message
+    else:
+        assert "failed on rank 0" in message, message
+    assert {f: (root / "small" / f).read_bytes() for f in os.listdir(root / "small")} == before
+    assert (root / "latest").read_text() == "small"
+    assert not (root / ".big.partial").exists() and not (root / "big").exists()
+
+
+def test_a_disk_without_a_free_byte_fails_the_save_as_every_full_disk_does(small_ext4: Path) -> None:
+    """ext4 with 0 bytes free: the staging directory itself cannot be made.
+    Every rank gets the DiskFullError of a full disk, naming the directory
+    and the bytes, and the previous checkpoint stays as it was."""
+    run_ranks(full_disk_at_the_directory, 2, str(small_ext4))
+
+
+def refuses_complex_client_state(rank: int, world: int, root: str) -> None:
+    engine = trained_engine(steps=1)
+    bad = {"step": 3, "phases": torch.polar(torch.ones(4), torch.arange(4.0))}  # complex64
+    for who in ("rank 0", "every rank"):
+        state = bad if rank == 0 or who == "every rank" else {"step": 3}
+        with pytest.raises(zcore.CheckpointError) as caught:
+            engine.save_checkpoint(root, tag="t", client_state=state)
+        message = str(caught.value)
+        assert "client_state['phases'] is a tensor of dtype torch.complex64" in message, (who, message)
+        assert "they hold torch.float64, torch.float32, torch.float16, torch.bfloat16" in message, message
+        assert state is bad or "failed on rank 0" in message, (who, message)
+        assert not os.path.exists(Path(root) / ".t.partial") and not os.path.exists(Path(root) / "t")
+
+
+def test_a_tensor_of_a_dtype_files_cannot_hold_is_refused_on_every_rank_naming_its_key(tmp_path: Path) -> None:
+    run_ranks(refuses_complex_client_state, 2, str(tmp_path))
 
 
 def test_index_json_is_plain_json(ckpt: Path) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_demo_trains_and_reports_memory():
     zcore_cli = Path(sys.executable).with_name("zcore")
@@ -48,3 +50,25 @@ def test_demo_with_states_on_nvme_reports_tiers_and_traffic(tmp_path):
         assert all(float(v) > 0 for v in row), row
     assert f"swap files removed by engine.destroy(): 0 left in {nvme}" in out
     assert list(nvme.iterdir()) == []
+
+
+@pytest.mark.parametrize("nproc, said", [
+    ("0", "0 processes: this starts at least 1"),
+    ("-2", "-2 processes: this starts at least 1"),
+    ("two", "'two' is not a whole number of processes"),
+    (str(10**6), f"{10**6} processes: this machine runs at most"),
+])
+def test_demo_refuses_a_process_count_before_torchs_launcher(monkeypatch, capsys, nproc: str, said: str):
+    """Checked before anything starts: torch's launcher ends in a bare
+    AssertionError on 0, and a count past the machine's GPUs or CPUs
+    starts ranks that cannot run."""
+    from zcore import cli
+
+    def launched(*args, **kwargs):
+        raise AssertionError(f"the launcher was started: {args}")
+
+    monkeypatch.setattr(cli.subprocess, "call", launched)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["demo", "--nproc", nproc])
+    assert stopped.value.code == 2
+    assert f"argument --nproc: {said}" in capsys.readouterr().err

@@ -230,3 +230,24 @@ def test_a_waiting_rank_stops_only_where_a_peer_will_never_join() -> None:
     # A failure every rank had alike, long settled, or a peer that is only waiting too.
     assert judge_wait(0, at(9), 1, at(6), {1: failed}) is None
     assert judge_wait(0, at(9), 1, None, {1: report(WAITING, at(9), index=1)}) is None
+
+
+def dropped(rank: int, world: int) -> list[bool]:
+    import gc
+    import weakref
+
+    collected = []
+    for stage in (0, 3):
+        engine, _ = engine_for(world, stage)
+        engine.backward(engine(torch.randn(4, 16)).square().mean())
+        engine.step()
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        collected.append(gone() is None)
+    return collected
+
+
+def test_an_engine_of_several_ranks_dropped_without_destroy_is_still_collected() -> None:
+    """The waits hold the check weakly, and the check the engine."""
+    assert run_ranks(dropped, 2, timeout=TIMEOUT) == [[True, True]] * 2

@@ -12,14 +12,16 @@ of ``_WaitThreads`` makes the untimed wait and the caller waits for that
 thread, in slices. A wait that completes within its first slice, as every
 wait of ranks in step does, asks nothing of the watcher.
 
-NCCL work is never waited for here: its ``wait()`` only orders the
-caller's CUDA stream after the collective (it does not block), and must
-run on the caller's thread, whose current stream it orders.
+NCCL work is never waited for in slices, so engines on NCCL set no
+watcher: its ``wait()`` only orders the caller's CUDA stream after the
+collective (it does not block), and must run on the caller's thread,
+whose current stream it orders.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Optional, Protocol, Sequence
 
 SLICE = 1.0  # seconds between two questions to the watcher of a wait that goes on
@@ -39,23 +41,25 @@ class Watcher(Protocol):
         """The wait for ``seq`` returned after ``still_waiting`` was called."""
 
 
-_watcher: Optional[Watcher] = None  # the engine whose call runs now; None: plain waits
+# The watcher of the engine whose call runs now, held weakly (an engine
+# dropped without destroy() is collected); None: plain waits.
+_watcher: Optional[weakref.ref] = None
 
 
 def watch(watcher: Optional[Watcher]) -> None:
     """Waits on gloo work from now on ask ``watcher`` (None: they do not)."""
     global _watcher
-    _watcher = watcher
+    _watcher = None if watcher is None else weakref.ref(watcher)
 
 
 def watching() -> Optional[Watcher]:
-    return _watcher
+    return None if _watcher is None else _watcher()
 
 
 def wait_all(works: Sequence[Any], seq: int, kind: str) -> None:
     """Waits for every work of collective ``seq`` (``kind``: its name, for
     messages); in slices when a watcher watches (see the module docstring)."""
-    watcher = _watcher
+    watcher = watching()
     if watcher is None or not works:
         for work in works:
             work.wait()

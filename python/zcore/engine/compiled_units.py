@@ -127,6 +127,11 @@ def unwrap_compiled(model: nn.Module, shards_parameters: bool) -> nn.Module:
     return inner
 
 
+def has_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a module inside it runs compiled."""
+    return is_compiled(model) or next(_outermost_compiled(model), None) is not None
+
+
 def _outermost_compiled(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
         if is_compiled(child):
@@ -144,10 +149,6 @@ class CompiledUnits:
         self._fetcher = fetcher
         self._handles = handles
         self._adopted: set[int] = set()  # id(module)
-
-    def any(self) -> bool:
-        """Whether the model has a compiled module."""
-        return next(_outermost_compiled(self._model), None) is not None
 
     def adopt(self) -> None:
         """Before a forward: the compiled modules not yet units become units."""

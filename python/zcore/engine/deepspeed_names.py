@@ -49,10 +49,6 @@ REFUSED: dict[str, str] = {
         "the backward (a bare loss.backward() would bypass it); pass scale_wrt_gas=False for a loss you "
         "already divided by the accumulation steps"
     ),
-    "compile": (
-        "zcore does not compile the model (DeepSpeed's engine.compile adds ZeRO-aware graph passes zcore "
-        "lacks); the engine runs the module eagerly with zcore's hooks"
-    ),
     "offload_states": (
         "zcore keeps parameters and optimizer states where the config's offload_param and offload_optimizer "
         "sections place them, for the engine's whole life"

@@ -22,7 +22,7 @@ from zcore import checkpoint
 from zcore.comm.collectives import DistributedContext
 from zcore.config.policies import Policies
 from zcore.config.schema import Config
-from zcore.engine.compiled_units import CompiledUnits, check_compile_options, compile_blocks, is_compiled
+from zcore.engine.compiled_units import CompiledUnits, check_compile_options, compile_blocks, has_compiled
 from zcore.engine.deepspeed_names import DeepSpeedEngineNames, refusal
 from zcore.engine.frozen import FrozenParameters
 from zcore.engine.lifetime import Lifetime
@@ -177,8 +177,8 @@ class Engine(DeepSpeedEngineNames):
 
     @property
     def is_compiled(self) -> bool:
-        """As DeepSpeed's: whether the model, or at stage 3 its blocks, run compiled."""
-        return self._units.any() if self._units is not None else is_compiled(self.module)
+        """As DeepSpeed's: whether the model, or modules inside it, run compiled."""
+        return has_compiled(self.module)
 
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -26,6 +26,11 @@ hook per trained parameter tells the fetcher. Without it the call's groups
 would stay gathered until the end of backward (where the fetcher still
 closes calls whose gradients never all came).
 
+Under torch.compile the module hooks run outside Dynamo's graphs: a
+compiled module is hooked as one unit whose hooks Dynamo does not trace,
+and the modules inside it lose theirs (note "compiled units" in
+zcore.engine.compiled_units).
+
 The forward post-hook also hands the tensors of the module's output to the
 fetcher, which takes over a parameter returned to the calling module (note
 "external parameters" in zcore.zero3.external_params).

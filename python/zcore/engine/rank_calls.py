@@ -34,8 +34,9 @@ so it is never taken for one out of step.
 Calls a rank may make alone are not counted: a forward without gradients
 at stages 0-2 (evaluation on one rank) starts no collective. With NCCL,
 ``wait()`` does not block (the host blocks later, on the device), so
-waiting ranks are not watched there; a rank whose call raised still
-raises at its next call, naming where its peers are.
+waiting ranks are not watched there and say nothing: a rank whose call
+raised still raises at its next call, once its patience is spent, and the
+others are left to NCCL's own timeout.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -218,8 +220,8 @@ class EngineCalls:
     """One engine's calls, counted, and the check that the ranks make them
     in step (the module docstring). ``ranks``: the data-parallel ranks;
     ``patience``: seconds a rank whose call raised waits at its next call
-    for every peer to say where it is; ``on_out_of_step(reason)``: breaks
-    the engine (zcore.engine.lifetime)."""
+    for every peer to say where it is; ``on_out_of_step(reason)``: the
+    engine's method that breaks it (zcore.engine.lifetime), held weakly."""
 
     def __init__(
         self,
@@ -234,7 +236,7 @@ class EngineCalls:
             self._board = _Board(everyone, dist.get_rank())
         self._watches = self._board is not None and comm.on_gloo()  # note NCCL in the module docstring
         self._patience = patience
-        self._on_out_of_step = on_out_of_step
+        self._on_out_of_step = weakref.WeakMethod(on_out_of_step)  # the engine's: it owns this object
         self._calls = 0  # counted calls made
         self._at = Position(-1, "start", 0)  # the call running (or the last one)
         self._start = comm.issued()  # collectives started before it
@@ -398,7 +400,9 @@ class EngineCalls:
         with self._lock:
             if self._board is not None:
                 self._post(Report(OUT_OF_STEP, self._at, 0, where, self._last_failure))
-        self._on_out_of_step(self._verdict)
+        breaks = self._on_out_of_step()
+        if breaks is not None:
+            breaks(self._verdict)
         raise self._error()
 
     def _error(self) -> InvalidStateError:
