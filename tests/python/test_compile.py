@@ -1,4 +1,3 @@
-# Not collected: issue 36 is in progress and this suite did not finish within 10 minutes here (2026-11-27); rename to test_compile.py once it runs in bounded time.
 """torch.compile under zcore (note "compiled units" in
 zcore.engine.compiled_units): the tiny GPT compiled the three ways users
 compile (each block's ``block.compile()`` before initialize, as torchtitan
