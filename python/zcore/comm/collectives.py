@@ -209,9 +209,10 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False, group: Optional
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> None:
-    with tracing.span("all_reduce"):
-        work = _Collective([dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)], "all-reduce")
-    work.wait()
+    """A check's small all-reduce (zcore.zero3.recording_checks): its wait is
+    timed, as every collective's, but it is not one of the ``all_reduce``
+    ranges of the step's own work."""
+    _Collective([dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)], "all-reduce").wait()
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
