@@ -133,3 +133,26 @@ def test_the_dynamic_loss_scale_follows_deepspeeds_schedule():
     assert scales(2, 1, [False, False, True, False, False, False]) == [1024, 1024, 512, 512, 512, 1024]
     # Hysteresis 2: the first overflow is absorbed, the second halves.
     assert scales(3, 2, [True, True, False, False, False, False]) == [1024, 512, 512, 512, 512, 1024]
+
+
+def reduce_near_fp16_max(rank, world, stage):
+    """Each rank's scaled gradient is 40000: their fp16 sum (80000) is
+    beyond fp16's 65504, their mean is not."""
+    config = zcore_config(stage, 1, 0.0, "fp16", False)
+    config["fp16"].update(loss_scale=40000.0)  # static: the scaled gradient is exactly 40000
+    config["communication_data_type"] = "fp16"
+    model = torch.nn.Linear(8, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    engine, _, _, _ = zcore.initialize(model=model, config=config)
+    loss = engine(torch.eye(8, dtype=torch.float16)).float().sum()  # d loss / d w = 1 per weight
+    engine.backward(loss)
+    engine.step()
+    return {"skipped": engine.skipped_steps, "norm": float(engine.get_global_grad_norm())}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_gradients_are_averaged_before_their_fp16_sum_overflows(stage):
+    """As DeepSpeed sends them: each rank's 16-bit gradient divided by the
+    world size, then summed."""
+    for result in run_ranks(reduce_near_fp16_max, 2, stage, timeout=300):
+        assert result == {"skipped": 0, "norm": pytest.approx(math.sqrt(8))}

@@ -117,6 +117,10 @@ class GradientReducer:
         self.world_size = world_size
         self.group = group
         self.reduce_dtype = reduce_dtype
+        # A 16-bit sum over the ranks of loss-scaled gradients overflows where
+        # their mean does not: such sums are of gradients already divided by
+        # the world size, as DeepSpeed sends them. fp32 sums are divided after.
+        self.predivide = reduce_dtype.itemsize < 4
         self.reduce_scatter = reduce_scatter
         self.tracker = _UnitTracker(units)
         self.boundary = True
@@ -279,6 +283,8 @@ class AccumulateThenReduce(GradientReducer):
             return
         for u in units:
             send = self.acc[u].to(self.reduce_dtype)  # acc itself in fp32
+            if self.predivide:  # send is a 16-bit copy
+                send.div_(self.world_size)
             if self.sharded:
                 out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
                 work = self.reduce_scatter(out, send) if self.world_size > 1 else None
@@ -293,7 +299,9 @@ class AccumulateThenReduce(GradientReducer):
         for u, out, _, work in self._pending:
             if work is not None:
                 work.wait()
-            self.shards[u].copy_(out).div_(self.world_size)
+            self.shards[u].copy_(out)
+            if not self.predivide:
+                self.shards[u].div_(self.world_size)
         self._pending.clear()
         if self.boundary and self.sharded:
             for a in self.acc:
@@ -362,6 +370,8 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         for u in units:
             send = self._bucket(u)
             self.buckets[u] = None
+            if self.predivide:
+                send.div_(self.world_size)
             out = torch.empty(self.units[u].shard_numel, dtype=self.reduce_dtype, device=send.device)
             if self.shard_size > 1:
                 work = self.reduce_scatter(out, send)
@@ -376,10 +386,11 @@ class ReduceScatterEveryMicroStep(GradientReducer):
         u, out, _, work = entry
         if work is not None:
             work.wait()
+        scale = 1.0 if self.predivide else 1.0 / self.world_size
         if self.replicas is None or not self.boundary:
-            self.grads.add(u, out, 1.0 / self.world_size, final=self.boundary)
+            self.grads.add(u, out, scale, final=self.boundary)
             return
-        total = self.grads.get(u).add(out.to(torch.float32), alpha=1.0 / self.world_size)
+        total = self.grads.get(u).add(out.to(torch.float32), alpha=scale)
         comm.all_reduce_sum(total, group=self.replicas.group)
         self.grads.put(u, total)
 
