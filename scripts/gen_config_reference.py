@@ -387,6 +387,12 @@ DESCRIPTIONS: dict[str, str] = {
         "`Warn`, `Ignore` or `Fail`, in any case. zcore always checks that every rank saves and loads the same "
         "tag (they share one directory), so all three act as `Fail`."
     ),
+    "CheckpointConfig.async_save": (
+        "What `engine.save_checkpoint` does when its `async_save` argument is not given: true copies this "
+        "rank's state into host memory, returns, and writes the same files in the background "
+        "(`engine.wait_for_checkpoint()` waits; a later save waits first). The copy's host memory, the rank's "
+        "checkpoint bytes, is kept between saves and shown by `engine.memory_report()` and `zcore estimate`."
+    ),
     # monitors
     "TensorBoardConfig.enabled": "Records each step's metrics and writes them (rank 0); the package must be installed.",
     "TensorBoardConfig.output_path": "Directory under which the job's directory is made.",
@@ -463,6 +469,7 @@ ZCORE_ONLY = {
     "bf16.cast_buffers",
     "fp16.cast_buffers",
     "zero_optimization.stage3_rank_agreement_check",
+    "checkpoint.async_save",
     "out_of_step_check.enabled",
     "out_of_step_check.patience_seconds",
 }

@@ -5,7 +5,9 @@ Each case trains, saves tag "a" completely, trains on, then saves again with
 a fault injected into zcore's durable writes: the process kills itself when
 it reaches the k-th file write or commit. Afterwards the files of "a" must
 be unchanged, ``latest`` must name a complete tag, and loading it must
-give exactly the state that tag was saved with.
+give exactly the state that tag was saved with. Each case runs twice: the
+second save synchronous, and asynchronous (killed in its background writer
+while the training goes on).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def hashes(tag_dir: Path) -> dict[str, str]:
 
 
 def save_then_crash(
-    rank: int, world: int, root: str, kind: str, kill_at: int, second_tag: str, dying_rank: int = 0
+    rank: int, world: int, root: str, kind: str, kill_at: int, second_tag: str, dying_rank: int = 0,
+    async_save: bool = False,
 ) -> int:
     root = Path(root)
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=CONFIG)
@@ -66,7 +69,10 @@ def save_then_crash(
 
     if rank == dying_rank:
         setattr(durable.TempFile, kind, dying)
-    engine.save_checkpoint(root, tag=second_tag)
+    engine.save_checkpoint(root, tag=second_tag, async_save=async_save)
+    if async_save:
+        train(engine, range(3, 4))  # while the background writer is killed
+        engine.wait_for_checkpoint()
     return calls[0]  # never killed: kill_at was past the last call
 
 
@@ -90,12 +96,13 @@ CASES = [("commit", k, "b") for k in range(1, 7)] + [("commit", k, "a") for k in
 ]
 
 
-def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path, async_save: bool) -> None:
     roots, rename_done = [], []
     for kind, kill_at, second in CASES:
         root = tmp_path / f"{kind}-{kill_at}-{second}"
         with pytest.raises(RuntimeError, match="died with exit code -9"):
-            run_ranks(save_then_crash, 1, str(root), kind, kill_at, second, launcher=False)
+            run_ranks(save_then_crash, 1, str(root), kind, kill_at, second, 0, async_save, launcher=False)
         roots.append(str(root))
         rename_done.append(kind == "commit" and kill_at == 6)
     for (kind, kill_at, second), root, renamed in zip(CASES, roots, rename_done):
@@ -143,14 +150,15 @@ def test_a_later_save_does_not_touch_earlier_tags(tmp_path: Path) -> None:
 TWO_RANK_CASES = [(1, "commit", 1), (1, "write", 2), (0, "commit", 5)]
 
 
-def test_a_rank_killed_while_two_ranks_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_rank_killed_while_two_ranks_save_leaves_a_loadable_checkpoint(tmp_path: Path, async_save: bool) -> None:
     """The other rank fails in its next collective (gloo: connection reset
     by the dead peer), as it would in a real job."""
     roots = []
     for dying, kind, kill_at in TWO_RANK_CASES:
         root = tmp_path / f"rank{dying}-{kind}-{kill_at}"
         with pytest.raises(RuntimeError, match=f"rank ({dying} died with exit code -9|{1 - dying} failed)"):
-            run_ranks(save_then_crash, 2, str(root), kind, kill_at, "b", dying, timeout=120)
+            run_ranks(save_then_crash, 2, str(root), kind, kill_at, "b", dying, async_save, timeout=120)
         assert (root / "latest").read_text() == "a"
         assert hashes(root / "a") == json.loads((root / "hashes-a.json").read_text())
         assert not (root / "b").exists()

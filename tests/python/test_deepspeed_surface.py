@@ -173,9 +173,11 @@ SURFACE = {
     # Checkpoints.
     "save_checkpoint": (
         "DS HF ACC PL", "save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters) -> "
-        "the same names; save_latest=False refused; frozen parameters written all the same",
+        "the same names, and zcore's keyword async_save; save_latest=False refused; frozen parameters written all "
+        "the same",
         lambda s: parameter_names(s.e.save_checkpoint)
-        == ["save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters"] and s.save_checkpoint(),
+        == ["save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters", "async_save"]
+        and s.save_checkpoint(),
     ),
     "load_checkpoint": (
         "DS HF ACC PL", "load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states, "

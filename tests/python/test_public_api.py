@@ -30,7 +30,7 @@ PUBLIC = {
         "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
     ],
     "zcore.config": ["Config", "load_config"],
-    "zcore.checkpoint": ["consolidate", "full_state_dict", "load_checkpoint", "save_checkpoint"],
+    "zcore.checkpoint": ["consolidate", "full_state_dict", "load_checkpoint", "load_dcp", "save_checkpoint", "save_dcp"],
     "zcore.optim": [
         "AdamConfig", "CPUAdam", "CPUAdamW", "CompressedAdam", "GradCheck", "MatrixAndElementwise",
         "MatrixOptimizer", "Muon", "OneBitAdam", "ZeroOneAdam",

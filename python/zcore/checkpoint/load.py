@@ -90,7 +90,9 @@ def read_indexes(tag_dir: Path, meta: schema.Meta) -> list[schema.RankIndex]:
 class Staged:
     """Everything a load changes, read and checked: committing it cannot fail."""
 
-    meta: Optional[schema.Meta]  # None: weights only, from elsewhere (zcore.checkpoint.pretrained)
+    # None: from elsewhere, without zcore's training state: weights (zcore.checkpoint.pretrained),
+    # or weights and optimizer states (zcore.checkpoint.dcp: ``hyperparameters`` then, no loss scaler).
+    meta: Optional[schema.Meta]
     layout: EngineLayout
     slots: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     states: Optional[dict[torch.nn.Parameter, dict]] = None  # None: keep the optimizer's
@@ -102,6 +104,7 @@ class Staged:
     counters: Optional[schema.Counters] = None  # None: keep the engine's
     rng: Optional[dict[str, Any]] = None
     client_state: Any = None
+    hyperparameters: list[dict] = field(default_factory=list)  # meta None: per optimizer group, the values to set
 
     def discard(self) -> None:
         """Removes the swap files staged (the load did not happen)."""
@@ -452,10 +455,13 @@ def commit(engine: Any, staged: Staged) -> None:
                 k: (v.to(slot.data.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                 for k, v in state.items()
             }
-        training_state.apply_hyperparameters(inner, meta.optimizer.hyperparameters)
+        training_state.apply_hyperparameters(
+            inner, meta.optimizer.hyperparameters if meta is not None else staged.hyperparameters
+        )
         if isinstance(inner, CompressedAdam):  # error feedback and schedule start afresh, as in DeepSpeed
             inner.restart_from_loaded_state()
-        optimizer.precision.scaler.load_state_dict(meta.loss_scaler.as_dict())
+        if meta is not None:
+            optimizer.precision.scaler.load_state_dict(meta.loss_scaler.as_dict())
     if staged.scheduler is not None:
         engine.lr_scheduler.load_state_dict(staged.scheduler)
     if staged.counters is not None:

@@ -11,7 +11,9 @@ zcore's partials in the directory whose owner is gone:
 
 - on this host, when its process no longer runs (pid and start time, so a
   reused pid does not count as the owner) or is this very process (a save
-  runs to its end or cleans up before the call returns);
+  runs to its end or cleans up before the call returns), unless this
+  process writes it in the background (``hold``: an asynchronous save,
+  zcore.checkpoint.async_save);
 - on another host, whose processes zcore cannot see, when it was created
   before this process started: a job does not outlive a killed save of its
   own, and two jobs never save into one directory at once (they would also
@@ -82,6 +84,20 @@ def _owner(partial: Path) -> Optional[dict]:
         return None
 
 
+# Staging directories this process writes in the background. Set-add and
+# discard are atomic under the GIL; the writer thread releases its own.
+_held: set[Path] = set()
+
+
+def hold(staging: Path) -> None:
+    """``staging`` is being written by this process in the background: not abandoned."""
+    _held.add(Path(staging).absolute())
+
+
+def release(staging: Path) -> None:
+    _held.discard(Path(staging).absolute())
+
+
 def _abandoned(owner: dict) -> bool:
     me = _self()
     if owner["host"] != me["host"]:
@@ -111,6 +127,8 @@ def remove_abandoned(root: Path) -> None:
         return
     for path in root.iterdir():
         if not (path.name.startswith(".") and path.name.endswith(_SUFFIX)) or path.is_symlink() or not path.is_dir():
+            continue
+        if path.absolute() in _held:
             continue
         if not _abandoned_dir(path):
             continue

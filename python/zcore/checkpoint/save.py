@@ -11,26 +11,42 @@ A save killed anywhere before the rename leaves the previous checkpoints
 and ``latest`` as they were; a failure on any rank fails the save on all.
 Its staging directory is removed by a later save or load
 (zcore.checkpoint.partials says which ones and why).
+
+A save is prepared (``prepare_save``: the checks, the layout, what this
+rank writes, the metadata, all as of now) on the training's process group,
+then written (``write_save``: steps 1-3) over a group given: the training's
+for a synchronous save, a dedicated one for the background writer of an
+asynchronous save (zcore.checkpoint.async_save), whose collectives must not
+interleave with the training's.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+import torch.distributed as dist
 
 from zcore.comm import collectives as comm
-from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, training_state
-from zcore.checkpoint.layout import TRAINED, EngineLayout, describe, engine_layout, whole_model_layout
-from zcore.checkpoint.slot_values import SlotValues
-from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
+from zcore.checkpoint.layout import EngineLayout, describe, engine_layout, whole_model_layout
+from zcore.checkpoint.rank_payload import RankPayload, rank_payload, write_payload
 from zcore.errors import CheckpointError, DiskIOError
-from zcore.progress import progress_bar
 
 log = logging.getLogger("zcore")
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """A prepared save: everything ``write_save`` needs, taken from the engine."""
+
+    root: Path
+    tag: str
+    rank: int
+    payload: RankPayload
+    meta: Optional[dict]  # rank 0's meta.json without the indexes' checksums; None on other ranks
 
 
 def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> Path:
@@ -39,6 +55,12 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     optimizer states, beside JSON metadata, published atomically; then
     ``save_dir/latest`` names the tag. Collective, at an accumulation
     boundary. Returns the tag directory."""
+    return write_save(prepare_save(engine, save_dir, tag, client_state))
+
+
+def prepare_save(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> SaveJob:
+    """The checks of a save and what it will write, streaming from the
+    engine's live state. Collective over the training's group; writes nothing."""
     if engine.accumulated_micro_steps:
         raise CheckpointError(
             f"save_checkpoint was called after micro-step {engine.micro_steps}, inside a gradient "
@@ -57,9 +79,23 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
     comm.raise_if_any_failed(failure, "saving the checkpoint's client_state", CheckpointError)
     layout = engine_layout(engine)
     whole = whole_model_layout(engine, layout)  # before the directory: a refusal leaves nothing
-    root = Path(save_dir)
     rank = engine.context.rank
+    payload = None
+    try:
+        payload = rank_payload(engine, layout, client[1])
+    except CheckpointError as exc:  # an optimizer state a checkpoint cannot hold
+        failure = exc
+    comm.raise_if_any_failed(failure, "preparing the checkpoint", CheckpointError)
+    meta = _meta(engine, whole, tag, client[0]) if rank == 0 else None
+    return SaveJob(Path(save_dir), tag, rank, payload, meta)
+
+
+def write_save(job: SaveJob, group: Optional[dist.ProcessGroup] = None, show_progress: bool = True) -> Path:
+    """Writes and publishes ``job``; collective over ``group`` (None: the
+    world). ``show_progress``: whether rank 0 may draw a progress bar."""
+    root, tag, rank = job.root, job.tag, job.rank
     staging = directory.staging_dir(root, tag)
+    failure: Optional[BaseException] = None
     if rank == 0:
         try:
             durable.make_dir(root, parents=True, exist_ok=True)
@@ -69,105 +105,41 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
             failure = exc
         except OSError as exc:
             failure = durable.io_error(exc, staging, "creating the checkpoint directory")
-    comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError)
+    comm.raise_if_any_failed(failure, "creating the checkpoint directory", CheckpointError, group)
 
     index_checksum = None
     try:
-        index_checksum = _write_rank(engine, layout, staging, tag, client[1])
+        index_checksum = write_payload(job.payload, staging, tag, show_progress)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
         failure = exc
-    checksums = comm.all_gather_strings(index_checksum)
-    _agree(failure, "writing the checkpoint", rank, staging)
+    checksums = comm.all_gather_strings(index_checksum, group)
+    _agree(failure, "writing the checkpoint", rank, staging, group)
 
     if rank == 0:
         try:
-            durable.write_json(staging / directory.META, _meta(engine, whole, tag, checksums, client[0]))
+            durable.write_json(staging / directory.META, {**job.meta, "ranks": checksums})
             durable.replace_dir(staging, root / tag)
             durable.write_bytes(root / directory.LATEST, tag.encode())
         except BaseException as exc:  # noqa: BLE001
             failure = exc
-    _agree(failure, "committing the checkpoint", rank, staging)
+    _agree(failure, "committing the checkpoint", rank, staging, group)
     log.info("zcore: saved checkpoint %s", root / tag)
     return root / tag
 
 
-def _agree(failure: Optional[BaseException], doing: str, rank: int, staging: Path) -> None:
+def _agree(
+    failure: Optional[BaseException], doing: str, rank: int, staging: Path, group: Optional[dist.ProcessGroup]
+) -> None:
     try:
-        comm.raise_if_any_failed(failure, doing, CheckpointError)
+        comm.raise_if_any_failed(failure, doing, CheckpointError, group)
     except BaseException:
         if rank == 0:
             durable.remove_tree(staging)
         raise
 
 
-def _write_rank(
-    engine: Any, layout: EngineLayout, staging: Path, tag: str, client_tensors: dict[str, torch.Tensor]
-) -> str:
-    """The weights and state files of this rank, then its index. Both files
-    are written in one pass over the values, so that states on NVMe are read
-    once, a sub-group at a time (zcore.checkpoint.slot_values)."""
-    rank = engine.context.rank
-    values = SlotValues(engine)
-    saved = [s for s in layout.slots if s.saves]
-    trained = layout.slots_of(TRAINED)
-    ranges = {s.name: {"file": "weights", "of": s.name, "start": s.start, "stop": s.stop} for s in saved}
-    state_specs: list[TensorSpec] = []
-    scalars: dict[str, dict] = {}
-    for slot in trained:
-        template = values.state_template(slot) if slot.saves else None
-        if template is None:
-            continue
-        ranged, scalar = training_state.split_state(template, slot.data.numel(), slot.name)
-        for key, value in ranged.items():
-            state_specs.append(TensorSpec(f"{slot.name}::{key}", value.dtype, (slot.data.numel(),)))
-            ranges[f"{slot.name}::{key}"] = {"file": "state", "of": slot.name, "state": key,
-                                             "start": slot.start, "stop": slot.stop}
-        scalars[slot.name] = scalar
-    rng, extra = training_state.rng_state(engine.context.device)
-    if rank == 0:
-        extra.update(client_tensors)
-    state_specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
-
-    io = AioEngine(staging)  # O_DIRECT writes: zcore.checkpoint.direct_file
-    weight_specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
-    total = sum(spec.nbytes for spec in weight_specs + state_specs)
-    with (
-        TensorFileWriter(staging / directory.weights_file(rank), weight_specs, engine=io) as weights_out,
-        TensorFileWriter(staging / directory.state_file(rank), state_specs, engine=io) as state_out,
-        progress_bar(f"saving checkpoint {tag}", total) as bar,
-    ):
-        for slot, data, state in values.trained(trained):  # first in the layout, so first in both files
-            if not slot.saves:
-                continue
-            weights_out.write(data)
-            bar.update(data.nbytes)
-            if slot.name in scalars:
-                ranged, _ = training_state.split_state(state, slot.data.numel(), slot.name)
-                for value in ranged.values():
-                    state_out.write(value)
-                    bar.update(value.nbytes)
-        for slot in saved:
-            if layout.tensors[slot.name].role != TRAINED:
-                frozen = values.frozen(slot)
-                weights_out.write(frozen)
-                bar.update(frozen.nbytes)
-        for value in extra.values():
-            state_out.write(value)
-            bar.update(value.nbytes)
-        weights = weights_out.commit()
-        state = state_out.commit()
-
-    index = {
-        "rank": rank,
-        "files": {"weights": weights.to_json(), "state": state.to_json()},
-        "ranges": ranges,
-        "scalars": scalars,
-        "rng": rng,
-    }
-    return durable.write_json(staging / directory.rank_index(rank), index)
-
-
-def _meta(engine: Any, layout: EngineLayout, tag: str, checksums: list, client_json: Any) -> dict:
+def _meta(engine: Any, layout: EngineLayout, tag: str, client_json: Any) -> dict:
+    """meta.json as of now; ``write_save`` adds the indexes' checksums ("ranks", last)."""
     optimizer = engine.optimizer
     offload = engine.policies.offload.optimizer.value
     return {
@@ -195,5 +167,4 @@ def _meta(engine: Any, layout: EngineLayout, tag: str, checksums: list, client_j
         "loss_scaler": optimizer.precision.scaler.state_dict(),
         "lr_scheduler": training_state.scheduler_state(engine.lr_scheduler),
         "client_state": client_json,
-        "ranks": checksums,
     }

@@ -242,22 +242,25 @@ def wait_all(works: list[Optional[dist.Work]]) -> None:
             work.wait()
 
 
-def all_gather_strings(value: Optional[str]) -> list[Optional[str]]:
-    """Every rank's ``value`` (a short string or None), in rank order."""
+def all_gather_strings(value: Optional[str], group: Optional[dist.ProcessGroup] = None) -> list[Optional[str]]:
+    """Every rank's ``value`` (a short string or None), in rank order, over
+    ``group`` (None: the world; another group must span the world too)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    out: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
 def raise_if_any_failed(
-    error: Optional[BaseException], doing: str, error_type: type[Exception] = RuntimeError
+    error: Optional[BaseException], doing: str, error_type: type[Exception] = RuntimeError,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> None:
-    """A collective: raises ``error`` on the rank that had it and, on every
-    other rank, an error naming the rank that failed, so that no rank goes
-    on (or waits forever) while another gave up."""
-    messages = all_gather_strings(None if error is None else f"{type(error).__name__}\n{error}")
+    """A collective over ``group`` (as ``all_gather_strings``): raises
+    ``error`` on the rank that had it and, on every other rank, an error
+    naming the rank that failed, so that no rank goes on (or waits forever)
+    while another gave up."""
+    messages = all_gather_strings(None if error is None else f"{type(error).__name__}\n{error}", group)
     if error is not None:
         raise error
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]

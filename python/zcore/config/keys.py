@@ -136,7 +136,8 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "checkpoint.parallel_write": (
         "section", "each rank of every pipeline stage writes its own shards of one checkpoint already"),
     "checkpoint.checkpoint_serialization": ("any", "zcore writes its own tensor files"),
-    "checkpoint.writer": ("section", "zcore writes checkpoints with its own writer"),
+    "checkpoint.writer": (
+        "section", "zcore writes checkpoints with its own writer (in the background: checkpoint.async_save)"),
     "activation_checkpointing": (
         "section",
         "these keys configure deepspeed.checkpointing.checkpoint; zcore trains models that checkpoint with "

@@ -142,6 +142,8 @@ class CheckpointConfig(Section):
     DeepSpeed configs and checked as "Fail" is."""
 
     tag_validation: str = "Warn"
+    # zcore's own: what engine.save_checkpoint does when not told (async_save=None).
+    async_save: bool = False
 
     @field_validator("tag_validation")
     @classmethod

@@ -23,6 +23,7 @@ from zcore.errors import InvalidArgumentError
 from zcore.step.precision import precision_from_config
 
 if TYPE_CHECKING:
+    from zcore.checkpoint.async_save import AsyncCheckpointer
     from zcore.comm.collectives import DistributedContext
     from zcore.config.policies import Policies
     from zcore.config.schema import Config
@@ -136,6 +137,7 @@ class DeepSpeedEngineNames:
     ranks: DataParallelRanks
     residency: ParamResidency
     lifetime: Lifetime
+    checkpoints: AsyncCheckpointer
     calls: EngineCalls
     batch: Any  # zcore.engine.engine.BatchSizes
     last_grad_norm: Optional[float]
@@ -305,19 +307,27 @@ class DeepSpeedEngineNames:
     # Checkpoints (zcore.checkpoint), with DeepSpeed's arguments.
     def save_checkpoint(
         self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None,
-        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False, *, async_save: Optional[bool] = None,
     ) -> Path:
         """Every rank writes its ranges of the fp32 weights and optimizer
         states (safetensors) beside JSON metadata; ``tag`` defaults to
         ``global_step{N}``; ``save_dir/latest`` then names it. Call it on
         every rank, at an accumulation boundary. Returns the tag directory.
-        DeepSpeed's ``save_latest`` and ``exclude_frozen_parameters``: as
-        ``_check_save_options`` says."""
+        ``async_save`` (default: the config's checkpoint.async_save): copy
+        the state to host memory, return, and write in the background
+        (zcore.checkpoint.async_save); ``wait_for_checkpoint()`` waits for
+        it. Either way, a save in progress is waited for first, and its
+        failure raised. DeepSpeed's ``save_latest`` and
+        ``exclude_frozen_parameters``: as ``_check_save_options`` says."""
         _check_save_options(save_latest, exclude_frozen_parameters)
         self.lifetime.check_usable()
         self.calls.settle()  # a rank whose last call raised: the save's collectives only if every rank's did
         self._trainer("save_checkpoint").check_saveable()
         self._finish_step()
+        self.checkpoints.wait()
+        background = self.config.checkpoint.async_save if async_save is None else async_save
+        if background:
+            return self.checkpoints.save(self, save_dir, tag, client_state)
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(
@@ -337,6 +347,7 @@ class DeepSpeedEngineNames:
         ``custom_load_fn`` as ``_check_load_options`` says."""
         _check_load_options(load_module_strict, custom_load_fn)
         self.lifetime.check_not_destroyed()
+        self.checkpoints.wait()  # the save in progress may be the one to load, and its staging is not abandoned
         try:
             self._finish_step()
         except Exception:  # noqa: BLE001 - the engine is broken (self.lifetime) until a full load below

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from zcore import checkpoint
+from zcore.checkpoint.async_save import AsyncCheckpointer
 from zcore.comm.collectives import DistributedContext
 from zcore.config.policies import Policies
 from zcore.config.schema import Config
@@ -98,6 +99,7 @@ class Engine(DeepSpeedEngineNames):
         self.batch = parts.batch
         self.observation = parts.observation
         self.lifetime = Lifetime()
+        self.checkpoints = AsyncCheckpointer()  # saves written in the background (zcore.checkpoint.async_save)
         check = config.out_of_step_check
         # Whether the ranks make their calls in step (note "ranks out of step" there).
         self.calls = EngineCalls(parts.ranks.data_parallel, check.enabled, check.patience_seconds, self._out_of_step)
@@ -402,9 +404,11 @@ class Engine(DeepSpeedEngineNames):
         return self.residency.stats()
 
     def destroy(self) -> None:
-        """Waits for pending writes and removes this rank's swap files
-        (parameters and optimizer states on NVMe are then gone); the engine
-        cannot train after it. Also done when the process exits."""
+        """Waits for pending writes (an asynchronous checkpoint save's
+        included: its failure is raised once the rest is closed) and removes
+        this rank's swap files (parameters and optimizer states on NVMe are
+        then gone); the engine cannot train after it. Also done when the
+        process exits."""
         self.lifetime.destroy(self._close)
 
     def _out_of_step(self, reason: str) -> None:
@@ -420,6 +424,9 @@ class Engine(DeepSpeedEngineNames):
             if self.optimizer is not None:
                 closing.callback(self.optimizer.close)
             closing.callback(self.residency.close)
+            # Runs first (registered last): a pending save finishes before anything closes; it
+            # writes its own copy, so it needs none of the parts above.
+            closing.callback(self.checkpoints.close)
             if was_live:  # else its failure was raised already
                 self._finish_step()
 
@@ -432,6 +439,12 @@ class Engine(DeepSpeedEngineNames):
         self.skipped_steps = counters.skipped_steps
         self.accumulated_micro_steps = 0
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits until the asynchronous save in progress (if any) is written
+        and published, and raises its failure (every rank the same error
+        class a synchronous save raises). Call it on every rank."""
+        self.checkpoints.wait()
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The whole model's state dict (fp32 master weights, frozen
@@ -450,4 +463,5 @@ class Engine(DeepSpeedEngineNames):
         return self._measure_memory()
 
     def _measure_memory(self) -> MemoryReport:
-        return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device)
+        return measure_memory(self.module, self.optimizer, self.policies, self.residency, self.context.device,
+                              checkpoint_copy=self.checkpoints.held_bytes)

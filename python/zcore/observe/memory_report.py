@@ -6,7 +6,8 @@ Tiers are where zcore put the bytes, by policy, not ``tensor.device``: on a
 CPU-only machine the compute device is the host, and its bytes still count
 as "device" unless offload moved them to "host". Working memory (the
 gather arena, staging for offloaded shards, swap I/O buffers, sub-groups
-passing through host memory during a step) is not counted.
+passing through host memory during a step) is not counted; the host copy
+asynchronous checkpoint saves write from is reported apart (``checkpoint_copy``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class MemoryReport:
     optimizer_tier: str  # where the optimizer's states live (offload_optimizer)
     measured_tiers: dict[str, MemoryFigures]  # keyed by TIERS
     theoretical_tiers: dict[str, MemoryFigures]
+    # Host bytes held for the copy asynchronous checkpoint saves write from
+    # (zcore.checkpoint.snapshot): working memory, apart from the model states.
+    checkpoint_copy: int = 0
 
     @property
     def measured(self) -> MemoryFigures:
@@ -85,6 +89,8 @@ class MemoryReport:
                 for c in columns
             )
             rows.append(f"{name:18}{cells}")
+        if self.checkpoint_copy:
+            rows.append(f"host memory held for asynchronous checkpoint saves: {self.checkpoint_copy / _MIB:.2f} MiB")
         return "\n".join(rows)
 
 
@@ -128,10 +134,12 @@ def measure_memory(
     policies: Policies,
     residency: Any,
     device: torch.device,
+    checkpoint_copy: int = 0,
 ) -> MemoryReport:
     """``residency``: the engine's (zcore.engine.residency.ParamResidency); in stage 3
     a zcore.zero3.param_fetcher.ParamFetcher. ``device``: the compute device.
-    ``optimizer`` None: an inference engine, without gradients or states."""
+    ``optimizer`` None: an inference engine, without gradients or states.
+    ``checkpoint_copy``: host bytes held for asynchronous checkpoint saves."""
     stage, offload = policies.stage, policies.offload
     units = optimizer.units if optimizer is not None else []
     measured, theoretical = _Table(), _Table()
@@ -162,6 +170,7 @@ def measure_memory(
         optimizer_tier=TIER_NAMES[offload.optimizer],
         measured_tiers=measured.figures(),
         theoretical_tiers=theoretical.figures(),
+        checkpoint_copy=checkpoint_copy,
     )
 
 

@@ -13,7 +13,9 @@ alone (a model on the meta device is never materialised):
   (zcore.zero3.gather_buffers), the gradient buckets reduce-scatters send from
   (zcore.step.grad_reduction), staging for offloaded parameter shards and the
   host pools NVMe swaps read through (zcore.zero3.param_fetcher,
-  zcore.step.swapped_optimizer, zcore.initialize);
+  zcore.step.swapped_optimizer, zcore.initialize); with checkpoint.async_save,
+  the host copy of the rank's checkpoint (zcore.checkpoint.snapshot), which
+  memory_report shows apart;
 - activations: the tensors autograd saves in one forward of a sample
   input, run on the meta device (for a bare count, token ids through a
   GPT-like shape assumed from it: zcore.plan.assumed_gpt), or a figure given.
@@ -54,7 +56,7 @@ from zcore.step.swapped_optimizer import swap_capacity as optimizer_swap_capacit
 
 ConfigArg = Union[Config, dict, str, Path]
 
-WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "activations")
+WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "checkpoint_copy", "activations")
 ESTIMATE_CATEGORIES = (*CATEGORIES, *WORKING)
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one element per trained element of the shard
@@ -73,6 +75,7 @@ class EstimateFigures:
     gather_buffers: int = 0  # stage 3's arena for gathered groups
     reduce_buckets: int = 0  # gradients on their way through reduce-scatter (during backward)
     staging_buffers: int = 0  # offloaded shards staged for all-gathers; host pools of NVMe swaps
+    checkpoint_copy: int = 0  # checkpoint.async_save: the host copy saves are written from
     activations: int = 0  # saved for backward, one micro-batch
 
     @property
@@ -209,6 +212,8 @@ class Planner:
                          "its first compressed step on")
         table.add("buffers", DEVICE, self.model.buffer_bytes(precision))
         _working_memory(layout, policies, cfg, precision, self.device, self.host_available, table)
+        if cfg.checkpoint.async_save:
+            table.add("checkpoint_copy", HOST, _checkpoint_copy(layout, self.model.buffer_bytes(precision)))
         if self.activations is not None:
             table.add("activations", DEVICE, self.activations)
         return MemoryEstimate(
@@ -501,6 +506,18 @@ def _working_memory(
         _stage3_buffers(layout, policies, coordinator_config(cfg.zero_optimization), device, table)
     if policies.offload.optimizer is Tier.NVME:
         _optimizer_swap_pools(layout, policies, host_available, table)
+
+
+def _checkpoint_copy(layout: Layout, buffer_bytes: int) -> int:
+    """The bytes of rank 0's checkpoint tensors, which an asynchronous save
+    copies (zcore.checkpoint.rank_payload): the fp32 master and Adam's two
+    moments of the trained elements of its shards, frozen parameters (stage
+    3: its shards of frozen groups; stages 0-2: whole, which rank 0 writes)
+    and buffers (rank 0 writes them). The RNG state and the 64-byte
+    alignment of each tensor (a few KiB) are left out."""
+    trained = (FP32 + ADAM_MOMENTS * FP32) * sum(u.trained_elements for u in layout.trained)
+    frozen = layout.frozen_bytes + sum(g.shard_numel * g.dtype.itemsize for g in layout.shards if not g.trainable)
+    return trained + frozen + buffer_bytes
 
 
 def _reduce_buckets(layout: Layout, policies: Policies, precision: MixedPrecision, table: _Table) -> None:
