@@ -59,7 +59,7 @@ _BASE = {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
     },
-    "gradient_clipping": 1.0,  # DeepSpeed 0.19.8's default, zcore's is 0: written out for both
+    "gradient_clipping": 1.0,  # both tools' default, written out
     "steps_per_print": 1000,
 }
 # A scale high enough that the first steps overflow and are skipped, and a

@@ -79,7 +79,7 @@ def grouped_adamw(model):
 def check_user_optimizers(rank, world):
     steps = 5
     expected = reference_steps(grouped_adamw, steps)
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
     for how in ("instance", "callable"):
         model = small_model()
         if how == "instance":
@@ -175,7 +175,7 @@ def check_schedulers_and_fresh_state(rank, world):
     makes its state at construction) is taken, and trains as torch's."""
     from log_capture import capture_zcore_log
 
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
 
     def sgd(groups):
         return torch.optim.SGD(groups, lr=0.1)
@@ -207,7 +207,7 @@ def check_schedulers_and_fresh_state(rank, world):
     reference = small_model()
     expected_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.1)
     engine, _, _, _ = zcore.initialize(
-        model=model, config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}},
+        model=model, config={**config, "zero_optimization": {"stage": 1}},
         optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1),
     )
     log = capture_zcore_log()

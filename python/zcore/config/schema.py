@@ -313,7 +313,8 @@ class Config(Section):
     train_batch_size: Union[int, Auto, None] = None
     train_micro_batch_size_per_gpu: Union[int, Auto, None] = None
     gradient_accumulation_steps: Union[int, Auto, None] = None
-    gradient_clipping: float = Field(0.0, ge=0)
+    # DeepSpeed 0.19.8's default: a DeepSpeed config that leaves it out clips at 1.0.
+    gradient_clipping: float = Field(1.0, ge=0)
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     bf16: BF16Config = BF16Config()
