@@ -20,6 +20,9 @@
 #   gpu_copy   bench/gpu_copy.py: host-device copies through zcore's offload
 #              paths against pinned cudaMemcpyAsync; device copy bandwidth
 #              (both: tables and BENCH_JSON lines into $OUT/bench.json)
+#   compile_step  bench/compile_step.py on the GPU: zcore stage 3 eager and
+#              compiled against FSDP2 compiled, one round (first-step compile
+#              time cold, then the step time)
 #   sanitizer  compute-sanitizer memcheck on the CUDA C++ tests and the CUDA
 #              Adam and quantization pytest tests ($OUT/sanitize-pytest.xml)
 # Each step is timed ("[step] name ... 12.3 s  pass"); a failed step does not
@@ -420,6 +423,18 @@ step_gpu_copy() {
   exit "$rc"
 }
 
+step_compile_step() {
+  set -u
+  if [ "$MODE" = rehearse ]; then
+    "$PY" "$REPO/bench/compile_step.py" --tiny --steps 2 --warmup 1 --repeats 1 \
+      --systems fsdp2-compiled zcore-3 zcore-3-compiled 2>&1 | tee "$STATE/compile_step.txt"
+  else
+    "$PY" "$REPO/bench/compile_step.py" --device cuda --world 1 --steps 6 --warmup 2 --repeats 1 \
+      --systems fsdp2-compiled zcore-3 zcore-3-compiled 2>&1 | tee "$STATE/compile_step.txt"
+  fi
+  exit "${PIPESTATUS[0]}"
+}
+
 step_bench_quantize() {
   set -u
   # bench/quantize.py times zcore's CPU quantization (the host side of qwZ/qgZ).
@@ -431,7 +446,7 @@ step_bench_quantize() {
 }
 
 export -f step_env step_debs step_wheels step_build step_cuda step_ctest step_pytest step_sanitizer step_bench_adam step_bench_quantize \
-  step_gpu_step step_gpu_copy pytest_timeout_arg
+  step_gpu_step step_gpu_copy step_compile_step pytest_timeout_arg
 
 step env 30 step_env
 step debs 20 step_debs
@@ -450,6 +465,7 @@ step bench_adam 60 step_bench_adam build
 step gpu_step 100 step_gpu_step build
 step gpu_copy 30 step_gpu_copy build
 step bench_quantize 45 step_bench_quantize build
+step compile_step 90 step_compile_step build
 # Last: the least certain (compute-sanitizer refused the device on gVisor
 # machines) and the slowest per test; it gets what the deadline leaves.
 step sanitizer 120 step_sanitizer build
@@ -458,7 +474,8 @@ echo
 # PYTHONPATH stays unset here: the report needs only the standard library.
 "$PY" "$REPO/scripts/gpu_report.py" summary --steps "$STATE/steps.tsv" --out "$OUT" --mode "$MODE" \
   --env "$STATE/env.txt" --bench "gpu_adam=$STATE/bench_adam.txt" --bench "quantize=$STATE/bench_quantize.txt" \
-  --bench "gpu_step=$STATE/gpu_step.txt" --bench "gpu_copy=$STATE/gpu_copy.txt"
+  --bench "gpu_step=$STATE/gpu_step.txt" --bench "gpu_copy=$STATE/gpu_copy.txt" \
+  --bench "compile_step=$STATE/compile_step.txt"
 rc=$?
 ls "$OUT" | sed 's/^/  out: /'
 exec >&- 2>&-
