@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from zcore.checkpoint import training_state
 from zcore.checkpoint.dcp_planners import KeyPath, RangedTensor, flat_key
-from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot
+from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, mismatch
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.errors import CheckpointError, CheckpointMismatchError
 
@@ -189,14 +189,8 @@ def _check_model(entries: dict, layout: EngineLayout, checkpoint: str) -> None:
             found = list(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
             reshaped.append(f"{key}: checkpoint {found}, model {list(shape)}")
     if missing or unexpected or reshaped:
-        parts = []
-        for label, names in (("missing from the checkpoint", missing),
-                             ("in the checkpoint but not in the model", unexpected),
-                             ("with another shape", reshaped)):
-            if names:
-                parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
         raise CheckpointMismatchError(
-            f"DCP checkpoint {checkpoint} is of another model; its 'model' entries " + "; ".join(parts)
+            f"DCP checkpoint {checkpoint} is of another model; its 'model' entries " + mismatch(missing, unexpected, reshaped)
             + ". Build the model the checkpoint was saved from (the same parameter names and shapes)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )

@@ -212,3 +212,15 @@ def tensor_infos(described: dict[str, Any]) -> dict[str, TensorInfo]:
         )
         for name, v in described.items()
     }
+
+
+def mismatch(missing: list[str], unexpected: list[str], reshaped: list[str]) -> str:
+    """The tensors a checkpoint and a model disagree on, for an error message
+    (the first 8 of each kind)."""
+    parts = []
+    for label, names in (("missing from the checkpoint", missing),
+                         ("in the checkpoint but not in the model", unexpected),
+                         ("with another shape", reshaped)):
+        if names:
+            parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    return "; ".join(parts)

@@ -23,7 +23,7 @@ from zcore.comm import collectives as comm
 from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, partials, schema, training_state
 from zcore.checkpoint.files import shown
-from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, tensor_infos, whole_model_layout
+from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, mismatch, tensor_infos, whole_model_layout
 from zcore.checkpoint.recut_parts import RecutParts
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.slot_values import SlotValues
@@ -379,14 +379,8 @@ def _check_model(layout: EngineLayout, meta: dict, tag_dir: Path) -> None:
     reshaped = [f"{n}: saved {list(saved[n].shape)}, model {list(current[n].shape)}"
                 for n in current if n in saved and n not in parts and saved[n].shape != current[n].shape]
     if missing or unexpected or reshaped:
-        parts = []
-        for label, names in (("missing from the checkpoint", missing),
-                             ("in the checkpoint but not in the model", unexpected),
-                             ("with another shape", reshaped)):
-            if names:
-                parts.append(f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
         raise CheckpointMismatchError(
-            f"checkpoint {tag_dir} is of another model (as its {directory.META} describes it); tensors " + "; ".join(parts)
+            f"checkpoint {tag_dir} is of another model (as its {directory.META} describes it); tensors " + mismatch(missing, unexpected, reshaped)
             + ". Load it into the model it was saved from (or pass load_module_only with a matching model)",
             missing=missing, unexpected=unexpected, reshaped=reshaped,
         )
