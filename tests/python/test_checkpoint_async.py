@@ -32,10 +32,10 @@ def config(nvme: str = "", **extra) -> dict:
     return zcore_config(2 if nvme else 3, 1, 1.0, train_batch_size=4, zero=zero, **extra)
 
 
-def train(engine, steps: range) -> None:
+def train(engine, steps: range, name: str = "gpt") -> None:
     for step in steps:
-        x, y = global_batch("gpt", step, 4)
-        engine.backward(loss_of("gpt", forward("gpt", engine, x, step, 0), y))
+        x, y = global_batch(name, step, 4)
+        engine.backward(loss_of(name, forward(name, engine, x, step, 0), y))
         engine.step()
 
 
@@ -93,6 +93,52 @@ def same_bytes_as_a_synchronous_save(rank: int, world: int, root: str, nvme: str
 def test_an_async_save_writes_the_bytes_of_a_synchronous_save_of_its_step(tmp_path: Path, where: str) -> None:
     nvme = str(tmp_path / "nvme") if "nvme" in where else ""
     run_ranks(same_bytes_as_a_synchronous_save, 2, str(tmp_path), nvme, timeout=240)
+
+
+def copied_behind_the_loop(rank: int, world: int, root: str) -> None:
+    """Stage 3 in memory: the trained and frozen values are copied by the
+    writer's thread while the loop goes on; buffers and client_state at once."""
+    root = Path(root)
+    engine, *_ = zcore.initialize(model=make_model("norm"), config=config())
+    train(engine, range(2), "norm")
+    client = {"ema": torch.arange(5.0)}
+    engine.save_checkpoint(root / "sync", tag=TAG, client_state=client)
+    copying, gate = threading.Event(), threading.Event()
+    original = async_save.SnapshotBuffer.copy
+
+    def held_copy(self, payload, defer_settled=False):
+        copied, finish = original(self, payload, defer_settled)
+
+        def held_finish():
+            copying.set()
+            assert gate.wait(120), "the test never released the copy"
+            finish()
+
+        return copied, held_finish
+
+    async_save.SnapshotBuffer.copy = held_copy
+    engine.save_checkpoint(root / "async", tag=TAG, client_state=client, async_save=True)
+    assert copying.wait(60)  # the settled values are being copied behind the loop
+    client["ema"].add_(100.0)
+    x, y = global_batch("norm", 5, 4)
+    engine.backward(loss_of("norm", forward("norm", engine, x, 5, 0), y))  # batch norm's statistics move
+    threading.Timer(0.5, gate.set).start()
+    head = engine.module.head.weight
+    with zcore.GatheredParameters([head], modifier_rank=0), torch.no_grad():
+        head.add_(1.0)
+    assert gate.is_set()  # the write-back waited for the copy
+    engine.step()
+    train(engine, range(6, 8), "norm")
+    engine.wait_for_checkpoint()
+    assert files_of(root / "async" / TAG) == files_of(root / "sync" / TAG)
+    engine.destroy()
+
+
+def test_values_only_a_step_changes_are_copied_behind_the_loop_before_the_step(tmp_path: Path) -> None:
+    """A forward (batch norm's buffers), the caller (client_state) and a
+    GatheredParameters write-back, between the save and its copy's end,
+    leave the files those of a synchronous save of the step saved."""
+    run_ranks(copied_behind_the_loop, 2, str(tmp_path), timeout=180)
 
 
 def saves_queue(rank: int, world: int, root: str) -> None:

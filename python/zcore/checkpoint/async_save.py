@@ -9,6 +9,15 @@ writes the copy with the synchronous save's own code (zcore.checkpoint.save
 atomic rename, so a process killed during the write leaves the previous
 checkpoint as it was.
 
+Where every value lives in memory, the values only the optimizer step or a
+load changes are copied by the background thread instead, before it
+writes, while the next forward and backward run: the loop waits only for
+the copy of what a forward or the caller may change. Whatever changes the
+settled values first waits for that copy (``finish_copies``): the engine's
+optimizer step, a load's commit, and a GatheredParameters block that
+writes its values back. Its failure is agreed over the writer's group
+like a write's.
+
 The writer's collectives (agreement on success, the indexes' checksums) go
 over a gloo group of their own, made at the first asynchronous save and
 destroyed by ``close``: on the training's group they would interleave with
@@ -34,7 +43,7 @@ import threading
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -72,6 +81,8 @@ class AsyncCheckpointer:
         self._group: Optional[dist.ProcessGroup] = None  # the writer's (None: a world of one)
         self._group_made = False
         self._buffer = SnapshotBuffer()
+        self._copied = threading.Event()  # set: no copy is pending in the background
+        self._copied.set()
         _LIVE.add(self)
 
     @property
@@ -91,21 +102,30 @@ class AsyncCheckpointer:
             )
         job = prepare_save(engine, save_dir, tag, client_state)
         group = self._writer_group()
-        failure = None
+        # Every rank decides alike: a deferred copy's failure is agreed in the background.
+        defer = all(v == "True" for v in comm.all_gather_strings(str(job.payload.in_memory)))
+        failure, finish = None, None
         try:
             # meta is JSON built now; a deep copy keeps it apart from whatever it was read from.
-            job = replace(job, payload=self._buffer.copy(job.payload), meta=copy.deepcopy(job.meta))
+            payload, finish = self._buffer.copy(job.payload, defer_settled=defer)
+            job = replace(job, payload=payload, meta=copy.deepcopy(job.meta))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before any writer starts
             failure = exc
         comm.raise_if_any_failed(failure, "copying the checkpoint to host memory", CheckpointError)
         partials.hold(staging_dir(job.root, job.tag))
         self._tag = job.tag
         self._thread = threading.Thread(
-            target=self._write, args=(job, group), name="zcore-checkpoint-writer", daemon=True
+            target=self._write, args=(job, group, finish), name="zcore-checkpoint-writer", daemon=True
         )
         self.state = SaveState.WRITING
+        self._copied.clear()
         self._thread.start()
         return job.root / job.tag
+
+    def finish_copy(self) -> None:
+        """Returns once no copy is pending in the background: the live values
+        may change from here on."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """WRITING, WRITTEN or FAILED -> IDLE: the pending write finished;
@@ -145,10 +165,19 @@ class AsyncCheckpointer:
         except BaseException as exc:  # noqa: BLE001
             log.error("zcore: the asynchronous checkpoint save failed at exit: %s: %s", type(exc).__name__, exc)
 
-    def _write(self, job: SaveJob, group: Optional[dist.ProcessGroup]) -> None:
-        """The writer thread: ``write_save``, then WRITING -> WRITTEN or FAILED."""
+    def _write(self, job: SaveJob, group: Optional[dist.ProcessGroup], finish: Callable[[], None]) -> None:
+        """The writer thread: the deferred copy, ``write_save``, then WRITING
+        -> WRITTEN or FAILED."""
         failure = None
         try:
+            copied = None
+            try:
+                finish()
+            except Exception as exc:  # noqa: BLE001 - agreed below, on every rank
+                copied = exc
+            finally:
+                self._copied.set()
+            comm.raise_if_any_failed(copied, "copying the checkpoint to host memory", CheckpointError, group)
             write_save(job, group, show_progress=False)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait
             failure = exc
@@ -174,6 +203,13 @@ def _note(error: BaseException, note: str) -> None:
 
 
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+
+
+def finish_copies() -> None:
+    """Waits for every live engine's background copy: called by whatever
+    changes settled values (optimizer steps, loads, written-back gathers)."""
+    for checkpointer in list(_LIVE):
+        checkpointer.finish_copy()
 
 
 @atexit.register

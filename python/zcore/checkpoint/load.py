@@ -415,6 +415,7 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
 
 def commit(engine: Any, staged: Staged) -> None:
     """Replaces the engine's state with what was staged (and checked)."""
+    engine.checkpoints.finish_copy()  # an asynchronous save may still be copying the values replaced here
     optimizer = engine.optimizer
     meta = staged.meta
     with torch.no_grad():

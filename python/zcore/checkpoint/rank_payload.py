@@ -21,14 +21,17 @@ import torch
 
 from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, training_state
-from zcore.checkpoint.layout import TRAINED, EngineLayout
+from zcore.checkpoint.layout import FROZEN, TRAINED, EngineLayout
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
 from zcore.progress import progress_bar
 
 WEIGHTS, STATE = "weights", "state"  # the file a streamed tensor belongs to
 
-Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# (WEIGHTS or STATE, the tensor, whether it is settled: changed only by the
+# optimizer step or a load, as trained values, their states and frozen
+# parameters are; buffers change in forwards, client_state tensors anywhere).
+Stream = Callable[[], Iterator[tuple[str, torch.Tensor, bool]]]
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,12 @@ class RankPayload:
     ranges: dict[str, dict]
     scalars: dict[str, dict]
     rng: dict[str, Any]
-    # ``values()``: (WEIGHTS or STATE, tensor) in the order of the specs of
-    # each file; a tensor is valid until the next one is asked for.
+    # ``values()``: (WEIGHTS or STATE, tensor, settled) in the order of the
+    # specs of each file; a tensor is valid until the next one is asked for,
+    # except where ``in_memory``: then every tensor is a view of the live
+    # value, valid until that value changes.
     values: Stream
+    in_memory: bool
 
     @property
     def nbytes(self) -> int:
@@ -75,22 +81,26 @@ def rank_payload(engine: Any, layout: EngineLayout, client_tensors: dict[str, to
     state_specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
     weight_specs = [TensorSpec(s.name, s.data.dtype, (s.data.numel(),)) for s in saved]
 
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+    def stream() -> Iterator[tuple[str, torch.Tensor, bool]]:
         for slot, data, state in values.trained(trained):  # first in the layout, so first in both files
             if not slot.saves:
                 continue
-            yield WEIGHTS, data
+            yield WEIGHTS, data, True
             if slot.name in scalars:
                 ranged, _ = training_state.split_state(state, slot.data.numel(), slot.name)
                 for value in ranged.values():
-                    yield STATE, value
+                    yield STATE, value, True
         for slot in saved:
-            if layout.tensors[slot.name].role != TRAINED:
-                yield WEIGHTS, values.frozen(slot)
+            role = layout.tensors[slot.name].role
+            if role != TRAINED:
+                yield WEIGHTS, values.frozen(slot), role == FROZEN
         for value in extra.values():
-            yield STATE, value
+            yield STATE, value, False
 
-    return RankPayload(rank, weight_specs, state_specs, ranges, scalars, rng, stream)
+    in_memory = not values.swapped and all(
+        s.group is None or s.group.in_memory for s in saved if layout.tensors[s.name].role != TRAINED
+    )
+    return RankPayload(rank, weight_specs, state_specs, ranges, scalars, rng, stream, in_memory)
 
 
 def write_payload(payload: RankPayload, staging: Path, tag: str, show_progress: bool = True) -> str:
@@ -106,7 +116,7 @@ def write_payload(payload: RankPayload, staging: Path, tag: str, show_progress: 
         progress_bar(f"saving checkpoint {tag}", payload.nbytes, enabled=show_progress) as bar,
     ):
         files = {WEIGHTS: weights_out, STATE: state_out}
-        for file, value in payload.values():
+        for file, value, _ in payload.values():
             files[file].write(value)
             bar.update(value.nbytes)
         weights = weights_out.commit()

@@ -299,7 +299,8 @@ def encode_client_state(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(v, torch.Tensor):
             storable(v.dtype, f"client_state{path}")
             key = f"client::{len(tensors)}"
-            tensors[key] = v.detach().cpu().contiguous()
+            # A copy: an asynchronous save writes it after the caller goes on.
+            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
             return {_TENSOR_REF: key}
         if isinstance(v, dict):
             if not all(isinstance(k, str) for k in v):

@@ -319,6 +319,7 @@ class Engine(DeepSpeedEngineNames):
     def _optimizer_step(self, optimizer: ShardedOptimizer) -> bool:
         """The optimizer step that ends an accumulation window, counted and
         recorded; whether it was skipped (fp16 overflow)."""
+        self.checkpoints.finish_copy()  # an asynchronous save may still be copying the values this step changes
         self._frozen.report_gradients()
         groups = optimizer.param_groups
         lr = groups[0]["lr"] if groups else None  # the step's, before the scheduler moves it

@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from zcore.checkpoint.async_save import finish_copies
 from zcore.engine import hooks
 from zcore.errors import InvalidArgumentError, InvalidStateError
 from zcore.zero3.leaf_modules import z3_leaf_module
@@ -108,6 +109,7 @@ class GatheredParameters:
             return
         try:
             if self.modifier_rank is not None and exc_type is None:
+                finish_copies()  # an asynchronous save may still be copying the shards written here
                 with torch.no_grad():
                     for group in self._groups:
                         fetcher.write_back(group, self.modifier_rank)
