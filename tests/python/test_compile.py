@@ -75,10 +75,7 @@ def train_compiled(rank: int, world: int, how: str, name: str, config: dict) -> 
     finally:
         torch._dynamo.config.error_on_recompile = False
     with zcore.GatheredParameters(list(engine.module.parameters())):
-        # torch.compile(model) at stages 0-2 trains the OptimizedModule, whose names say so.
-        params = {
-            n.removeprefix("_orig_mod."): p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()
-        }
+        params = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     compiled = engine.is_compiled
     engine.destroy()
     return {
@@ -153,6 +150,32 @@ def refused_options(rank: int, world: int) -> list[str]:
     messages.append(str(refused.value))
     engine.destroy()
     return messages
+
+
+def compiled_checkpoint_loads_eagerly(rank: int, world: int, root: str) -> list[str]:
+    """torch.compile(model) at stage 2 saves the model's own names, which an
+    uncompiled model's engine loads."""
+    config = zcore_config(2, 1, 0.0)
+    engine, _, _, _ = zcore.initialize(model=torch.compile(make_model("gpt")), config=config)
+    x, y = global_batch("gpt", 0, engine.train_batch_size())
+    engine.backward(loss_of("gpt", engine(x), y))
+    engine.step()
+    engine.save_checkpoint(root)
+    names = list(engine.module.state_dict())
+    saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    eager, _, _, _ = zcore.initialize(model=make_model("gpt"), config=config)
+    eager.load_checkpoint(root)
+    for n, p in eager.module.named_parameters():
+        assert torch.equal(p, saved[n]), n
+    assert engine.is_compiled and not eager.is_compiled
+    engine.destroy()
+    eager.destroy()
+    return names
+
+
+def test_a_compiled_models_checkpoint_has_its_own_names_and_loads_uncompiled(tmp_path):
+    names = run_ranks(compiled_checkpoint_loads_eagerly, 1, str(tmp_path))[0]
+    assert names and not [n for n in names if n.startswith("_orig_mod.")]
 
 
 def test_what_cannot_compile_is_refused_with_the_fix():

@@ -102,14 +102,14 @@ def check_compile_options(backend: object, options: dict) -> None:
 
 
 def unwrap_compiled(model: nn.Module, shards_parameters: bool) -> nn.Module:
-    """The module zcore trains: at stage 3, ``torch.compile(model)``'s own
-    model with its blocks compiled by the same options, instead of the
-    whole model (note "compiled units"); any other model as it is. A model
-    compiled by ``model.compile()`` is refused there: its options cannot
-    be read back."""
-    if not shards_parameters:
-        return model
-    if getattr(model, "_compiled_call_impl", None) is not None:
+    """The module zcore trains: ``torch.compile(model)``'s own model, so that
+    its parameters keep their names (no ``_orig_mod.`` in checkpoints and
+    state dicts, which then load into the model compiled or not), compiled
+    with the same options: whole, as ``model.compile()`` does, at stages
+    0-2; at stage 3 block by block instead (note "compiled units"). Any
+    other model as it is. A model compiled by ``model.compile()`` is
+    refused at stage 3: its options cannot be read back."""
+    if shards_parameters and getattr(model, "_compiled_call_impl", None) is not None:
         raise InvalidArgumentError(
             "model.compile() compiles the whole model, whose ZeRO-3 hooks would then gather every "
             "parameter at once: compile each block instead (block.compile() for the blocks), pass "
@@ -119,11 +119,14 @@ def unwrap_compiled(model: nn.Module, shards_parameters: bool) -> nn.Module:
         return model
     inner, compile_with = model._orig_mod, model.dynamo_ctx
 
-    def compile_block(block: nn.Module) -> None:
-        # What block.compile(...) does, with torch.compile(model)'s options.
-        block._compiled_call_impl = compile_with(block._call_impl)
+    def compile_module(module: nn.Module) -> None:
+        # What module.compile(...) does, with torch.compile(model)'s options.
+        module._compiled_call_impl = compile_with(module._call_impl)
 
-    compile_blocks(inner, compile_block, "torch.compile(model)")
+    if shards_parameters:
+        compile_blocks(inner, compile_module, "torch.compile(model)")
+    else:
+        compile_module(inner)
     return inner
 
 
