@@ -158,6 +158,14 @@ DESCRIPTIONS: dict[str, str] = {
         "`standard`: torch.optim.Muon's quintic Newton-Schulz iteration in bfloat16. DeepSpeed's default "
         "`gram` (Gram Newton-Schulz in fp16) is refused."
     ),
+    "MuonParams.adam_w_mode": "Only true: the AdamW half decays weights decoupled, as DeepSpeed's default.",
+    "MuonParams.torch_adam": "Accepted: DeepSpeed's choice of AdamW kernel; zcore's AdamW half is torch's math.",
+    "MuonParams.foreach": "Accepted: DeepSpeed passes it to torch's AdamW; zcore chooses its own kernel.",
+    "MuonParams.fp32_optimizer_states": "Only true: the AdamW half keeps its states in fp32.",
+    "MuonParams.per_head_muon": (
+        "Only false: zcore orthogonalises each matrix whole (torch.optim.Muon); DeepSpeed's per-head "
+        "orthogonalisation of attention projections is refused."
+    ),
     # scheduler
     "WarmupLRScheduler.type": "`WarmupLR`: warm up from `warmup_min_lr` to `warmup_max_lr`, then hold.",
     "WarmupDecayLRScheduler.type": "`WarmupDecayLR`: WarmupLR's warm-up, then linear decay to 0 at `total_num_steps`.",

@@ -203,6 +203,11 @@ def false_only(v: Any) -> Any:
     return False if boolean(v) is False else REFUSED
 
 
+def true_only(v: Any) -> Any:
+    """A boolean key that takes only true (what zcore does anyway)."""
+    return True if boolean(v) is True else REFUSED
+
+
 def either(*kinds: Kind) -> Kind:
     def kind(v: Any) -> Any:
         return next((e for e in (k(v) for k in kinds) if e is not REFUSED), REFUSED)
@@ -318,11 +323,15 @@ class Optimizer:
             **compressed, "var_freeze_step": integer(0), "var_update_scaler": integer(1),
             "local_step_scaler": integer(1), "local_step_clipper": integer(1),
         }),
-        # DeepSpeed's Muon keys; its Gram Newton-Schulz ("gram") is refused.
+        # DeepSpeed's Muon keys; its Gram Newton-Schulz ("gram") and per-head
+        # orthogonalisation are refused, and so is an AdamW half that is not
+        # decoupled or not in fp32.
         "Muon": Section({
             "lr": either(real(0.0, strict=True), null), "muon_lr": either(real(0.0, strict=True), null),
             "adam_lr": either(real(0.0, strict=True), null), "momentum": fraction, "weight_decay": real(0.0),
             "betas": betas, "eps": real(0.0, strict=True), "ns_method": one_of("standard"),
+            "adam_w_mode": true_only, "torch_adam": boolean, "foreach": either(boolean, null),
+            "fp32_optimizer_states": true_only, "per_head_muon": false_only,
         }),
     }
 

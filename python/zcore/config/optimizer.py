@@ -166,6 +166,33 @@ class MuonParams(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-10, gt=0)
     ns_method: str = "standard"
+    # DeepSpeed's Muon reads these for its AdamW half and its split; zcore's
+    # AdamW half is decoupled, fp32, and torch's math whichever kernel runs it.
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    foreach: Optional[bool] = None
+    fp32_optimizer_states: bool = True
+    per_head_muon: bool = False
+
+    @field_validator("adam_w_mode", "fp32_optimizer_states")
+    @classmethod
+    def _adamw_in_fp32(cls, v: bool, info: Any) -> bool:
+        if not v:
+            what = {"adam_w_mode": "decays weights decoupled (AdamW)",
+                    "fp32_optimizer_states": "keeps its states in fp32"}[info.field_name]
+            raise ValueError(f"the AdamW half of zcore's Muon always {what}; remove the key or set it to true")
+        return v
+
+    @field_validator("per_head_muon")
+    @classmethod
+    def _whole_matrices(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "per_head_muon (orthogonalising each attention head's rows apart) is not implemented by zcore, "
+                "whose Muon orthogonalises each matrix whole, as torch.optim.Muon does: remove the key or set "
+                "it to false"
+            )
+        return v
 
     @field_validator("betas", mode="before")
     @classmethod
