@@ -629,3 +629,19 @@ def test_deepspeeds_oldest_zero_switch_is_read_as_deepspeed_reads_it():
 
 def test_steps_per_print_infinity_as_accelerate_writes_it_never_prints():
     assert load_config({**BASE, "steps_per_print": float("inf")}).steps_per_print >= 2**62
+
+
+@pytest.mark.parametrize("key, value, refused", [
+    ("adam_w_mode", True, None), ("torch_adam", True, None), ("foreach", False, None),
+    ("fp32_optimizer_states", 1, None), ("per_head_muon", "false", None),
+    ("adam_w_mode", False, "always decays weights decoupled"),
+    ("fp32_optimizer_states", False, "always keeps its states in fp32"),
+    ("per_head_muon", True, "orthogonalises each matrix whole"),
+])
+def test_deepspeeds_muon_keys_are_read_as_deepspeed_reads_them(key, value, refused):
+    config = {**BASE, "optimizer": {"type": "Muon", "params": {"lr": 0.02, key: value}}}
+    if refused is None:
+        load_config(config)
+        return
+    with pytest.raises(zcore.ConfigError, match=f"optimizer.params.{key}.*{refused}.*remove the key"):
+        load_config(config)
