@@ -178,6 +178,40 @@ def test_a_compiled_models_checkpoint_has_its_own_names_and_loads_uncompiled(tmp
     assert names and not [n for n in names if n.startswith("_orig_mod.")]
 
 
+def fullgraph_blocks(rank: int, world: int) -> dict:
+    """The refusal's fix: torch.compile(block, fullgraph=True) in each
+    block's place before initialize, against the model eager, 3 steps."""
+    from torch._dynamo.utils import counters
+
+    losses = {}
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make_model("gpt")
+        if fullgraph:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block, fullgraph=True)
+        engine, _, _, _ = zcore.initialize(model=model, config=zcore_config(3, 1, 0.0))
+        losses[fullgraph] = []
+        for step in range(3):
+            x, y = global_batch("gpt", step, engine.train_batch_size())
+            loss = loss_of("gpt", engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses[fullgraph].append(loss.item())
+        if fullgraph:
+            losses["compiled"] = engine.is_compiled and sum(counters["graph_break"].values()) == 0
+        engine.destroy()
+    return losses
+
+
+def test_blocks_compiled_with_fullgraph_in_their_parents_place_train_as_eager():
+    losses = run_ranks(fullgraph_blocks, 1)[0]
+    assert losses["compiled"]
+    for a, b in zip(losses[True], losses[False], strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b), (losses[True], losses[False])
+
+
 def test_what_cannot_compile_is_refused_with_the_fix():
     fullgraph, cuda_graphs, whole, no_blocks = run_ranks(refused_options, 1)[0]
     assert "fullgraph=True at ZeRO stage 3" in fullgraph and "leave fullgraph out" in fullgraph
