@@ -426,3 +426,35 @@ def _unit_sizes(model: torch.nn.Module) -> list[int]:
             current = 0
         current += p.numel()
     return sizes + [current]
+
+
+class _Named(torch.nn.Module):
+    """Two matrices DeepSpeed's rule sends apart (an embedding, a hidden
+    matrix) and a vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Parameter(torch.randn(8, 4))
+        self.hidden = torch.nn.Parameter(torch.randn(4, 4))
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+
+def _muon_half(model: torch.nn.Module) -> list[str]:
+    from zcore.config.schema import load_config
+    from zcore.step.optimizers import collect_param_groups
+
+    config = load_config(muon_config(2, 1, 0.0))
+    split = collect_param_groups(model, None, None, config.optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return sorted(names[id(p)] for g in split.groups[: split.matrix_groups] for p in g["params"])
+
+
+def test_a_use_muon_attribute_set_by_the_user_decides_the_split():
+    model = _Named()
+    assert _muon_half(model) == ["hidden"]  # DeepSpeed's rule: 2-D, and no "embed" in the name
+    model.embed_tokens.use_muon = True
+    model.hidden.use_muon = False
+    assert _muon_half(model) == ["embed_tokens"]
+    model.scale.use_muon = True  # Muon takes matrices only: refused, naming the shape
+    with pytest.raises(InvalidArgumentError, match=r"shape \(4,\) has fewer than 2 dimensions"):
+        _muon_half(model)
