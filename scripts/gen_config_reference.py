@@ -155,8 +155,9 @@ DESCRIPTIONS: dict[str, str] = {
     "MuonParams.betas": "AdamW's coefficients for the running averages of the gradient and its square.",
     "MuonParams.eps": "AdamW's term added to the denominator.",
     "MuonParams.ns_method": (
-        "`standard`: torch.optim.Muon's quintic Newton-Schulz iteration in bfloat16. DeepSpeed's default "
-        "`gram` (Gram Newton-Schulz in fp16) is refused."
+        "`standard`: torch.optim.Muon's quintic Newton-Schulz iteration in bfloat16. `gram`: DeepSpeed's "
+        "Gram Newton-Schulz in fp16, with DeepSpeed's numerics; under ZeRO it exchanges matrices in fp32, twice "
+        "standard's bytes. DeepSpeed's default is `gram`, zcore's `standard`."
     ),
     "MuonParams.adam_w_mode": "Only true: the AdamW half decays weights decoupled, as DeepSpeed's default.",
     "MuonParams.torch_adam": "Accepted: DeepSpeed's choice of AdamW kernel; zcore's AdamW half is torch's math.",

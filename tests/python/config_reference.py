@@ -323,13 +323,12 @@ class Optimizer:
             **compressed, "var_freeze_step": integer(0), "var_update_scaler": integer(1),
             "local_step_scaler": integer(1), "local_step_clipper": integer(1),
         }),
-        # DeepSpeed's Muon keys; its Gram Newton-Schulz ("gram") and per-head
-        # orthogonalisation are refused, and so is an AdamW half that is not
-        # decoupled or not in fp32.
+        # DeepSpeed's Muon keys; its per-head orthogonalisation is refused,
+        # and so is an AdamW half that is not decoupled or not in fp32.
         "Muon": Section({
             "lr": either(real(0.0, strict=True), null), "muon_lr": either(real(0.0, strict=True), null),
             "adam_lr": either(real(0.0, strict=True), null), "momentum": fraction, "weight_decay": real(0.0),
-            "betas": betas, "eps": real(0.0, strict=True), "ns_method": one_of("standard"),
+            "betas": betas, "eps": real(0.0, strict=True), "ns_method": one_of("standard", "gram"),
             "adam_w_mode": true_only, "torch_adam": boolean, "foreach": either(boolean, null),
             "fp32_optimizer_states": true_only, "per_head_muon": false_only,
         }),

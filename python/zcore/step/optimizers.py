@@ -237,7 +237,7 @@ def build_optimizer(
         _check_compressed(compressed, cfg, offload)
         return compressed
     if isinstance(cfg.optimizer, MuonConfig):
-        built = _muon_and_adamw(piece_groups, groups.matrix_groups, offload)
+        built = _muon_and_adamw(piece_groups, groups.matrix_groups, cfg.optimizer.params.ns_method, offload)
         _check_swappable(built, offload)
         return built
     p = cfg.optimizer.params
@@ -258,11 +258,14 @@ def build_optimizer(
     return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
 
 
-def _muon_and_adamw(piece_groups: list[dict], matrix_groups: int, offload: OffloadPolicy) -> torch.optim.Optimizer:
+def _muon_and_adamw(
+    piece_groups: list[dict], matrix_groups: int, ns_method: str, offload: OffloadPolicy
+) -> torch.optim.Optimizer:
     """The configured Muon over the first ``matrix_groups`` groups (whose
-    values the split set: zcore.config.optimizer.MuonParams) and AdamW over
-    the others, zcore's fused CPU AdamW where the optimizer is offloaded
-    (DeepSpeed's choice too); AdamW alone where no parameter is a matrix."""
+    values the split set: zcore.config.optimizer.MuonParams), iterating by
+    ``ns_method``, and AdamW over the others, zcore's fused CPU AdamW where
+    the optimizer is offloaded (DeepSpeed's choice too); AdamW alone where
+    no parameter is a matrix."""
     matrices, others = piece_groups[:matrix_groups], piece_groups[matrix_groups:]
     adamw = None
     if others:
@@ -273,8 +276,8 @@ def _muon_and_adamw(piece_groups: list[dict], matrix_groups: int, offload: Offlo
     if not matrices:
         assert adamw is not None  # collect_param_groups found something to train
         return adamw
-    # torch.optim.Muon's nesterov and Newton-Schulz settings, as DeepSpeed's Muon has them.
-    return MatrixAndElementwise(Muon(matrices), adamw)
+    # torch.optim.Muon's nesterov and Newton-Schulz coefficients and steps, as DeepSpeed's Muon has them.
+    return MatrixAndElementwise(Muon(matrices, ns_method=ns_method), adamw)
 
 
 def _remake_construction_state(optimizer: torch.optim.Optimizer) -> None:
