@@ -1,6 +1,7 @@
 """Muon on the host: zcore's Newton-Schulz (torch's matmul, in bfloat16, as
 zcore runs it on a matrix's owner rank with the optimizer offloaded) and
-zcore's whole Muon step, against torch.optim.Muon's step on the same matrices.
+zcore's whole Muon step, against torch.optim.Muon's step on the same matrices;
+and DeepSpeed's Gram Newton-Schulz (``ns_method: "gram"``, fp16), as zcore runs it.
 
 The matrices are one transformer block's (d x 3d, d x d, 4d x d, d x 4d for
 --width d). Contenders run round-robin, --repeats times each, so that a
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from zcore.optim.muon import Muon, newton_schulz
+from zcore.optim.muon import Muon, gram_newton_schulz, newton_schulz
 
 LR, WD = 0.02, 0.01
 
@@ -50,11 +51,15 @@ def contenders(shapes: list[tuple[int, int]]) -> dict[str, Callable[[], None]]:
     grads = [torch.randn(s) * 1e-3 for s in shapes]
     theirs = params_with_grads(shapes)
     ours = params_with_grads(shapes)
+    gram = params_with_grads(shapes)
     torch_muon = torch.optim.Muon(theirs, lr=LR, weight_decay=WD)
     zcore_muon = Muon(ours, lr=LR, weight_decay=WD)
+    zcore_gram = Muon(gram, lr=LR, weight_decay=WD, ns_method="gram")
     return {
         "zcore newton_schulz (torch matmul)": lambda: [newton_schulz(g) for g in grads],
+        "zcore gram_newton_schulz (fp16)": lambda: [gram_newton_schulz(g) for g in grads],
         "zcore Muon.step": zcore_muon.step,
+        "zcore Muon.step, ns_method gram": zcore_gram.step,
         "torch.optim.Muon.step": torch_muon.step,
     }
 
