@@ -101,7 +101,7 @@ from lightning_utilities import apply_to_collection
 from torch.optim import Optimizer
 
 from zcore.comm.collectives import init_distributed
-from zcore.config.schema import Config, load_config, read_config_file
+from zcore.config.schema import Config, config_dict, load_config
 from zcore.engine.engine import Engine
 from zcore.engine.initialize import initialize
 from zcore.errors import CheckpointError, ConfigError, InvalidStateError
@@ -215,7 +215,7 @@ class ZcoreStrategy(DDPStrategy):
         ``zcore.MetaInit()``). The rest is Lightning's DDP strategy's."""
         _warn_if_untested(lightning.__version__)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        self._config = _with_zero_settings(_as_dict(config), stage, offload_optimizer, offload_parameters)
+        self._config = _with_zero_settings(config_dict(config), stage, offload_optimizer, offload_parameters)
         self._stage = load_config(self._config).zero_optimization.stage  # validated now, not at fit
         self._meta_init = meta_init
         self.engine: Optional[Engine] = None  # built at setup; kept for the evaluations after a fit
@@ -447,14 +447,6 @@ def _zcore_precision(plugin: Precision) -> ZcorePrecision:
         "zcore keeps fp32 master weights (sharded) and computes in fp32, bf16 or fp16 with them; use "
         "precision='32-true', 'bf16-mixed' or '16-mixed'"
     )
-
-
-def _as_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    return read_config_file(Path(config))
 
 
 def _agree(section: dict, key: str, value: Any, what: str, source: str) -> None:

@@ -59,7 +59,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -70,7 +69,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from zcore.checkpoint.directory import LATEST
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
 from zcore.comm.collectives import DistributedContext, init_distributed
-from zcore.config.schema import Config, load_config, read_config_file
+from zcore.config.schema import Config, config_dict, load_config
 from zcore.engine.engine import Engine
 from zcore.errors import ConfigError
 from zcore.optim.lr_schedules import SCHEDULES
@@ -116,7 +115,7 @@ class ZcoreTrainer(transformers.Trainer):
             dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         context = init_distributed()  # the process group zcore trains on: Accelerate's, or the launcher's
         _check_same_world(self.args, context)
-        raw = _as_dict(zcore_config)
+        raw = config_dict(zcore_config)
         self._scheduler_section = raw.get("scheduler")
         config = _config_from(self.args, raw, context.world_size, self.model)
         self.engine: Engine = initialize(
@@ -265,14 +264,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 "zcore's optimizer states are loaded from zcore's checkpoint (engine.load_checkpoint), "
                 "not from a torch optimizer state dict"
             )
-
-
-def _as_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    return read_config_file(Path(config))
 
 
 def _check_same_world(args: transformers.TrainingArguments, context: DistributedContext) -> None:

@@ -33,10 +33,10 @@ from zcore.checkpoint.dcp_state import (
 )
 from zcore.checkpoint.full_state import refuse_model_parallel
 from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
-from zcore.checkpoint.load import Staged, commit, stage_nvme
+from zcore.checkpoint.load import Staged, as_checkpoint_error, commit_when_all_staged, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.comm import collectives as comm
-from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 
 log = logging.getLogger("zcore")
 
@@ -57,7 +57,7 @@ def save_dcp(engine: Any, directory: str | Path) -> None:
             check_optimizer_kind(engine.optimizer.inner, f"saving a DCP checkpoint to {directory}")
         state_dict, ranged = saved_state(engine, layout)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
-        failure = _as_checkpoint_error(exc, f"saving a DCP checkpoint to {directory}")
+        failure = as_checkpoint_error(exc, f"saving a DCP checkpoint to {directory}")
     comm.raise_if_any_failed(failure, f"saving a DCP checkpoint to {directory}", CheckpointError)
     try:
         dcp.save(state_dict, checkpoint_id=str(directory), planner=RangedSavePlanner(ranged))
@@ -84,7 +84,7 @@ def load_dcp(engine: Any, directory: str | Path, load_optimizer_states: bool = T
             check_optimizer_kind(engine.optimizer.inner, f"loading DCP checkpoint {checkpoint}")
         targets = load_targets(_read_metadata(checkpoint), layout, optimizer, checkpoint)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
-        failure = _as_checkpoint_error(exc, f"loading DCP checkpoint {checkpoint}")
+        failure = as_checkpoint_error(exc, f"loading DCP checkpoint {checkpoint}")
     comm.raise_if_any_failed(failure, f"loading DCP checkpoint {checkpoint}", CheckpointError)
     planner = RangedLoadPlanner(targets.ranged, checkpoint)
     try:
@@ -95,14 +95,8 @@ def load_dcp(engine: Any, directory: str | Path, load_optimizer_states: bool = T
     try:
         staged = _stage(engine, layout, targets, planner.loaded_bytes if optimizer else None, checkpoint)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = _as_checkpoint_error(exc, f"loading DCP checkpoint {checkpoint}")
-    try:
-        comm.raise_if_any_failed(failure, f"loading DCP checkpoint {checkpoint}", CheckpointError)
-    except BaseException:
-        if staged is not None:
-            staged.discard()
-        raise
-    commit(engine, staged)
+        failure = as_checkpoint_error(exc, f"loading DCP checkpoint {checkpoint}")
+    commit_when_all_staged(engine, staged, failure, f"loading DCP checkpoint {checkpoint}")
     log.info("zcore: loaded DCP checkpoint %s%s", checkpoint, "" if optimizer else " (weights only)")
 
 
@@ -166,9 +160,3 @@ def _states(
             ) from None
         states[slot.piece] = state
     return states
-
-
-def _as_checkpoint_error(exc: BaseException, doing: str) -> BaseException:
-    if isinstance(exc, ZcoreError) or not isinstance(exc, Exception):
-        return exc
-    return CheckpointError(f"{doing} failed: {type(exc).__name__}: {str(exc)[:500]}")

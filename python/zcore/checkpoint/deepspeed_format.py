@@ -21,14 +21,13 @@ from typing import Any, Optional
 
 import torch
 
-from zcore.comm import collectives as comm
 from zcore.checkpoint import directory, schema, training_state
 from zcore.checkpoint.deepspeed_files import MOMENTS, DeepSpeedCheckpoint, loss_scaler_state, open_checkpoint, read_rank
 from zcore.checkpoint.full_state import refuse_model_parallel
 from zcore.checkpoint.layout import BUFFER, FROZEN, TRAINED, EngineLayout, TensorInfo, describe, engine_layout
-from zcore.checkpoint.load import Staged, commit, stage_nvme
+from zcore.checkpoint.load import Staged, as_checkpoint_error, commit_when_all_staged, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
-from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ZcoreError
+from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 
 log = logging.getLogger("zcore")
 
@@ -197,16 +196,8 @@ def load_deepspeed_checkpoint(engine: Any, load_dir: str | Path, tag: Optional[s
         check_model(checkpoint, layout)
         staged = _stage(engine, checkpoint, layout)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
-            f"loading DeepSpeed checkpoint from {load_dir} failed: {type(exc).__name__}: {str(exc)[:500]}"
-        )
-    try:
-        comm.raise_if_any_failed(failure, f"loading DeepSpeed checkpoint from {load_dir}", CheckpointError)
-    except BaseException:
-        if staged is not None:
-            staged.discard()
-        raise
-    commit(engine, staged)
+        failure = as_checkpoint_error(exc, f"loading DeepSpeed checkpoint from {load_dir}")
+    commit_when_all_staged(engine, staged, failure, f"loading DeepSpeed checkpoint from {load_dir}")
     log.info("zcore: loaded DeepSpeed checkpoint %s (ZeRO stage %d, saved at world size %d)",
              checkpoint.tag_dir, checkpoint.stage, checkpoint.world_size)
     return checkpoint.tag_dir, checkpoint.client_state

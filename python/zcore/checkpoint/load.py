@@ -150,9 +150,7 @@ def load_checkpoint(
         if tag_dir is not None:
             staged = _stage(engine, tag_dir, options, layout, whole)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
-            f"loading checkpoint from {load_dir} failed: {type(exc).__name__}: {str(exc)[:500]}"
-        )
+        failure = as_checkpoint_error(exc, f"loading checkpoint from {load_dir}")
     try:
         comm.raise_if_any_failed(failure, f"loading checkpoint from {load_dir}", CheckpointError)
         resolved = comm.all_gather_strings(None if tag_dir is None else str(tag_dir))
@@ -411,6 +409,28 @@ def _check_optimizer(engine: Any, layout: EngineLayout, meta: dict, tag_dir: Pat
             f"{len(ours)}; they differ in {'; '.join(differences[:3])}. Build the optimizer with the "
             "same groups, or load with load_optimizer_states=False"
         )
+
+
+def as_checkpoint_error(exc: BaseException, doing: str) -> BaseException:
+    """``exc`` as a load raises it on every rank: zcore's errors (and what
+    is not an Exception) as they are, any other as a CheckpointError naming
+    what was being done."""
+    if isinstance(exc, ZcoreError) or not isinstance(exc, Exception):
+        return exc
+    return CheckpointError(f"{doing} failed: {type(exc).__name__}: {str(exc)[:500]}")
+
+
+def commit_when_all_staged(engine: Any, staged: Optional[Staged], failure: Optional[BaseException], doing: str) -> None:
+    """Commits ``staged`` once every rank staged its part; where any rank's
+    staging failed (``failure`` on this one), discards this rank's and
+    raises on every rank. Collective."""
+    try:
+        comm.raise_if_any_failed(failure, doing, CheckpointError)
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
+    commit(engine, staged)
 
 
 def commit(engine: Any, staged: Staged) -> None:

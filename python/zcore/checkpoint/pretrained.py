@@ -33,7 +33,7 @@ from zcore.checkpoint import durable
 from zcore.checkpoint.files import read_small, size_in_bytes
 from zcore.checkpoint.full_state import full_state_tensors, refuse_model_parallel, tensor_order
 from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
-from zcore.checkpoint.load import Staged, commit, stage_nvme
+from zcore.checkpoint.load import Staged, as_checkpoint_error, commit_when_all_staged, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileReader, TensorFileWriter, TensorSpec, plan_files
 from zcore.checkpoint.weight_files import (
@@ -183,16 +183,8 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
                     staged.slots.append((slot, ranges.read(slot.name, slot.start, slot.stop).to(slot.data.dtype)))
                 stage_nvme(engine, layout, ranges, staged)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
-        failure = exc if isinstance(exc, ZcoreError) or not isinstance(exc, Exception) else CheckpointError(
-            f"loading Hugging Face weights from {directory} failed: {type(exc).__name__}: {str(exc)[:500]}"
-        )
-    try:
-        comm.raise_if_any_failed(failure, f"loading Hugging Face weights from {directory}", CheckpointError)
-    except BaseException:
-        if staged is not None:
-            staged.discard()
-        raise
-    commit(engine, staged)
+        failure = as_checkpoint_error(exc, f"loading Hugging Face weights from {directory}")
+    commit_when_all_staged(engine, staged, failure, f"loading Hugging Face weights from {directory}")
     return result
 
 

@@ -45,6 +45,21 @@ def _betas_in_range(v: tuple[float, float]) -> tuple[float, float]:
     return v
 
 
+# What zcore's Adam always does, for the DeepSpeed switch of each name.
+_ALWAYS = {
+    "adam_w_mode": "decays weights decoupled (AdamW)",
+    "bias_correction": "corrects the moments' bias",
+    "fp32_optimizer_states": "keeps its states in fp32",
+}
+
+
+def _always(v: bool, who: str, key: str) -> bool:
+    """A DeepSpeed switch zcore takes only at true: what ``who`` always does."""
+    if not v:
+        raise ValueError(f"{who} always {_ALWAYS[key]}; remove the key or set it to true")
+    return v
+
+
 class AdamParams(_AdamHyperParams):
     # DeepSpeed's Adam defaults to decoupled weight decay (AdamW); False gives
     # torch.optim.Adam's L2 penalty.
@@ -59,11 +74,7 @@ class AdamParams(_AdamHyperParams):
     @field_validator("bias_correction", "fp32_optimizer_states")
     @classmethod
     def _what_zcore_does(cls, v: bool, info: Any) -> bool:
-        if not v:
-            what = {"bias_correction": "corrects the moments' bias",
-                    "fp32_optimizer_states": "keeps its states in fp32"}[info.field_name]
-            raise ValueError(f"zcore's Adam always {what}; remove the key or set it to true")
-        return v
+        return _always(v, "zcore's Adam", info.field_name)
 
 
 class _CompressedAdamParams(_AdamHyperParams):
@@ -183,11 +194,7 @@ class MuonParams(Section):
     @field_validator("adam_w_mode", "fp32_optimizer_states")
     @classmethod
     def _adamw_in_fp32(cls, v: bool, info: Any) -> bool:
-        if not v:
-            what = {"adam_w_mode": "decays weights decoupled (AdamW)",
-                    "fp32_optimizer_states": "keeps its states in fp32"}[info.field_name]
-            raise ValueError(f"the AdamW half of zcore's Muon always {what}; remove the key or set it to true")
-        return v
+        return _always(v, "the AdamW half of zcore's Muon", info.field_name)
 
     @field_validator("per_head_muon")
     @classmethod

@@ -12,19 +12,18 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import copy
 import os
 import stat
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
+from typing import Any, ClassVar, Literal, Optional, Union, get_args
 
 import hjson
 from pydantic import (
     BaseModel,
-    Discriminator,
     Field,
     PrivateAttr,
-    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -489,6 +488,16 @@ def _validate(raw: dict) -> Config:
 
 
 _MAX_CONFIG_FILE = 1 << 20  # bytes; DeepSpeed configs are a few KB
+
+
+def config_dict(config: Union[dict, str, os.PathLike, None]) -> dict:
+    """A config as an integration receives it (a dict, copied so that the
+    integration may complete it; a file's path; None: empty) as a dict."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    return read_config_file(Path(config))
 
 
 def read_config_file(path: Path) -> dict:
