@@ -52,13 +52,16 @@ void bind_optim(py::module_& m) {
   py::class_<AdamTensor>(m, "AdamTensor", "Addresses of one tensor's buffers (0 = no copy-out).")
       .def(py::init([](std::uintptr_t params, std::uintptr_t grads, DType grad_dtype,
                        std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::int64_t numel,
-                       std::uintptr_t params_out, DType out_dtype) {
+                       std::uintptr_t params_out, DType out_dtype, DType param_dtype,
+                       DType state_dtype) {
              AdamTensor t;
-             t.params = as_ptr<float>(params);
+             t.params = as_ptr<void>(params);
+             t.param_dtype = param_dtype;
              t.grads = as_ptr<const void>(grads);
              t.grad_dtype = grad_dtype;
-             t.exp_avg = as_ptr<float>(exp_avg);
-             t.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+             t.exp_avg = as_ptr<void>(exp_avg);
+             t.exp_avg_sq = as_ptr<void>(exp_avg_sq);
+             t.state_dtype = state_dtype;
              t.params_out = as_ptr<void>(params_out);
              t.out_dtype = out_dtype;
              t.numel = numel;
@@ -66,7 +69,8 @@ void bind_optim(py::module_& m) {
            }),
            py::arg("params"), py::arg("grads"), py::arg("grad_dtype"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("numel"), py::arg("params_out") = 0,
-           py::arg("out_dtype") = DType::kBFloat16);
+           py::arg("out_dtype") = DType::kBFloat16, py::arg("param_dtype") = DType::kFloat32,
+           py::arg("state_dtype") = DType::kFloat32);
 
   py::class_<GradBuffer>(m, "GradBuffer", "Address, dtype and length of a gradient buffer.")
       .def(py::init([](std::uintptr_t data, DType dtype, std::int64_t numel) {

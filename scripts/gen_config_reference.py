@@ -253,7 +253,19 @@ DESCRIPTIONS: dict[str, str] = {
     # bf16, fp16
     "BF16Config.enabled": (
         "Computes in bfloat16: parameters are cast for forward and backward; fp32 master weights and "
-        "optimizer states are kept. At most one of `bf16` and `fp16`."
+        "optimizer states are kept unless the two keys below ask for bf16. At most one of `bf16` and `fp16`."
+    ),
+    "BF16Config.bf16_master_weights_and_grads": (
+        "Keeps the master weights in bf16 (2 bytes per element instead of 4), on whichever tier the optimizer "
+        "states live (device, host, NVMe); the optimizer takes its gradients in bf16 (accumulated in fp32, "
+        "clipped, then rounded once). Needs `bf16.enabled`. On the device tier a torch optimizer keeps its "
+        "moments in bf16 too, so it needs `bf16_optimizer_states`; zcore's CPU Adam (the host) keeps fp32 "
+        "moments beside bf16 weights. Checkpoints hold the bf16 values and load into fp32 runs and back."
+    ),
+    "BF16Config.bf16_optimizer_states": (
+        "Keeps Adam's moments in bf16 too (2 bytes each instead of 4): 6 bytes per trained element for the "
+        "master and the moments, against 12 in fp32 and 10 with fp32 moments. Needs "
+        "`bf16_master_weights_and_grads`. On NVMe the two go together."
     ),
     "BF16Config.cast_buffers": (
         "Casts floating-point buffers to the compute dtype too, as DeepSpeed does. Off by default: a rotary "

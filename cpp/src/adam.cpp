@@ -84,19 +84,28 @@ void check_tensor(const AdamTensor& t, std::size_t i, std::vector<ByteRange>& ra
   if (t.params_out != nullptr && t.out_dtype != DType::kBFloat16 &&
       t.out_dtype != DType::kFloat16) {
     invalid(indexed("tensors", i) + ": params_out dtype " + dtype_name(t.out_dtype) +
-                " is not supported; the copy-out is bfloat16 or float16 (params are the fp32 copy)",
+                " is not supported; the copy-out is bfloat16 or float16",
             {{"index", static_cast<std::int64_t>(i)}});
+  }
+  for (const auto& [name, dtype] : {std::pair{"param", t.param_dtype}, std::pair{"state", t.state_dtype}}) {
+    if (dtype != DType::kFloat32 && dtype != DType::kBFloat16) {
+      invalid(indexed("tensors", i) + ": " + name + " dtype " + dtype_name(dtype) +
+                  " is not supported; master weights and moments are float32 or bfloat16",
+              {{"index", static_cast<std::int64_t>(i)}});
+    }
   }
   if (t.numel == 0) return;
   const std::string prefix = indexed("tensors", i) + ".";
-  check_pointer(t.params, 4, prefix + "params");
+  const std::int64_t param_size = dtype_size(t.param_dtype);
+  const std::int64_t state_size = dtype_size(t.state_dtype);
+  check_pointer(t.params, param_size, prefix + "params");
   check_pointer(t.grads, dtype_size(t.grad_dtype), prefix + "grads");
-  check_pointer(t.exp_avg, 4, prefix + "exp_avg");
-  check_pointer(t.exp_avg_sq, 4, prefix + "exp_avg_sq");
-  ranges.push_back(byte_range(prefix + "params", t.params, t.numel * 4));
+  check_pointer(t.exp_avg, state_size, prefix + "exp_avg");
+  check_pointer(t.exp_avg_sq, state_size, prefix + "exp_avg_sq");
+  ranges.push_back(byte_range(prefix + "params", t.params, t.numel * param_size));
   ranges.push_back(byte_range(prefix + "grads", t.grads, t.numel * dtype_size(t.grad_dtype)));
-  ranges.push_back(byte_range(prefix + "exp_avg", t.exp_avg, t.numel * 4));
-  ranges.push_back(byte_range(prefix + "exp_avg_sq", t.exp_avg_sq, t.numel * 4));
+  ranges.push_back(byte_range(prefix + "exp_avg", t.exp_avg, t.numel * state_size));
+  ranges.push_back(byte_range(prefix + "exp_avg_sq", t.exp_avg_sq, t.numel * state_size));
   if (t.params_out != nullptr) {
     check_pointer(t.params_out, 2, prefix + "params_out");
     ranges.push_back(byte_range(prefix + "params_out", t.params_out, t.numel * 2));

@@ -31,15 +31,17 @@ constexpr std::int64_t kChunk = 1 << 16;   // elements per chunk
 constexpr int kNoOut = -1;
 
 struct DeviceTensor {
-  float* params;
+  void* params;
   const void* grads;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;
+  void* exp_avg_sq;
   void* params_out;
   std::int64_t numel;
   std::int64_t first_chunk;  // index of the tensor's first chunk in the launch
   int grad_dtype;
   int out_dtype;             // kNoOut when there is no copy-out
+  int param_dtype;
+  int state_dtype;
 };
 
 template <class T>
@@ -85,10 +87,10 @@ __global__ void adam_kernel(const DeviceTensor* tensors, int count, std::int64_t
       for (int k = 0; k < kIlp; ++k) {
         const std::int64_t i = base + k * kThreads + threadIdx.x;
         if (i < end) {
-          p[k] = t.params[i];
+          p[k] = load_as_float(t.params, i, t.param_dtype);
           g[k] = load_as_float(t.grads, i, t.grad_dtype);
-          m[k] = t.exp_avg[i];
-          v[k] = t.exp_avg_sq[i];
+          m[k] = load_as_float(t.exp_avg, i, t.state_dtype);
+          v[k] = load_as_float(t.exp_avg_sq, i, t.state_dtype);
         }
       }
 #pragma unroll
@@ -96,9 +98,9 @@ __global__ void adam_kernel(const DeviceTensor* tensors, int count, std::int64_t
         const std::int64_t i = base + k * kThreads + threadIdx.x;
         if (i < end) {
           adam_element(c, p[k], g[k], m[k], v[k]);
-          t.params[i] = p[k];
-          t.exp_avg[i] = m[k];
-          t.exp_avg_sq[i] = v[k];
+          store_from_float(t.params, i, t.param_dtype, p[k]);
+          store_from_float(t.exp_avg, i, t.state_dtype, m[k]);
+          store_from_float(t.exp_avg_sq, i, t.state_dtype, v[k]);
           store_from_float(t.params_out, i, t.out_dtype, p[k]);
         }
       }
@@ -177,7 +179,8 @@ void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensor
     device_tensors.push_back(DeviceTensor{
         t.params, t.grads, t.exp_avg, t.exp_avg_sq, t.params_out, t.numel, chunks,
         static_cast<int>(t.grad_dtype),
-        t.params_out == nullptr ? kNoOut : static_cast<int>(t.out_dtype)});
+        t.params_out == nullptr ? kNoOut : static_cast<int>(t.out_dtype),
+        static_cast<int>(t.param_dtype), static_cast<int>(t.state_dtype)});
     chunks += chunks_of(t.numel);
   }
   if (chunks == 0) return;

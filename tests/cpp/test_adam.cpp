@@ -245,6 +245,79 @@ TEST(Adam, LowPrecisionGradsGiveTheResultOfUpcastingFirst) {
   }
 }
 
+// bf16 master weights and moments (DeepSpeed's bf16_master_weights_and_grads
+// and bf16_optimizer_states): the fp32 step on their upcast values, each
+// result rounded to nearest even once.
+TEST(Adam, Bf16ParamsAndMomentsGiveTheFp32StepRoundedOnce) {
+  const auto bf16_of = [](const std::vector<float>& x) {
+    std::vector<std::uint16_t> out(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) out[i] = reference_bf16(x[i]);
+    return out;
+  };
+  const auto upcast = [](const std::vector<std::uint16_t>& x) {
+    std::vector<float> out(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) out[i] = bf16_to_float(x[i]);
+    return out;
+  };
+  for (CpuIsa isa : supported_isas()) {
+    IsaScope scope(isa);
+    for (bool bf16_params : {false, true}) {
+      for (bool bf16_states : {false, true}) {
+        if (!bf16_params && !bf16_states) continue;
+        for (std::int64_t n : {std::int64_t{1}, std::int64_t{37}, std::int64_t{70001}}) {
+          Buffers reference(n, DType::kBFloat16, true, DType::kBFloat16, 5);
+          // Start from values the low-precision buffers hold exactly.
+          if (bf16_params) reference.params = upcast(bf16_of(reference.params));
+          if (bf16_states) {
+            reference.exp_avg = upcast(bf16_of(reference.exp_avg));
+            reference.exp_avg_sq = upcast(bf16_of(reference.exp_avg_sq));
+          }
+          std::vector<std::uint16_t> p16 = bf16_of(reference.params);
+          std::vector<std::uint16_t> m16 = bf16_of(reference.exp_avg);
+          std::vector<std::uint16_t> v16 = bf16_of(reference.exp_avg_sq);
+          Buffers low = reference;
+          AdamTensor t = low.tensor();
+          if (bf16_params) {
+            t.params = p16.data();
+            t.param_dtype = DType::kBFloat16;
+          }
+          if (bf16_states) {
+            t.exp_avg = m16.data();
+            t.exp_avg_sq = v16.data();
+            t.state_dtype = DType::kBFloat16;
+          }
+          AdamOptions o = options(true, 0.01, 0.25);
+          o.step = 3;
+          adam_step(o, {reference.tensor()}, 1);
+          adam_step(o, {t}, 2);
+          const std::string where = std::string(cpu_isa_name(isa)) + " n " + std::to_string(n);
+          if (bf16_params) {
+            EXPECT_EQ(p16, bf16_of(reference.params)) << where;
+          } else {
+            EXPECT_EQ(low.params, reference.params) << where;
+          }
+          if (bf16_states) {
+            EXPECT_EQ(m16, bf16_of(reference.exp_avg)) << where;
+            EXPECT_EQ(v16, bf16_of(reference.exp_avg_sq)) << where;
+          } else {
+            EXPECT_EQ(low.exp_avg, reference.exp_avg) << where;
+            EXPECT_EQ(low.exp_avg_sq, reference.exp_avg_sq) << where;
+          }
+          EXPECT_EQ(low.out, reference.out) << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(Adam, MasterWeightsOtherThanFp32OrBf16AreRefused) {
+  Buffers b(8, DType::kFloat32, false, DType::kBFloat16, 1);
+  AdamTensor t = b.tensor();
+  t.param_dtype = DType::kFloat16;
+  expect_invalid([&] { adam_step(options(true, 0.01, 0.0), {t}, 1); },
+                 "param dtype float16 is not supported");
+}
+
 TEST(Adam, ManyTensorsInOneCallEqualOneCallEach) {
   std::vector<Buffers> together, alone;
   for (std::int64_t n : {1, 7, 70000, 3, 131073}) {
@@ -464,7 +537,8 @@ TEST(Adam, BadInputIsRejectedBeforeAnyByteIsWritten) {
   expect_invalid(with([](AdamTensor& t) { t.grad_dtype = static_cast<DType>(9); }),
                  "unsupported grad dtype");
   expect_invalid(with([](AdamTensor& t) { t.out_dtype = DType::kFloat32; }), "copy-out");
-  expect_invalid(with([](AdamTensor& t) { t.exp_avg_sq = t.exp_avg + 50; }), "overlap");
+  expect_invalid(with([](AdamTensor& t) { t.exp_avg_sq = static_cast<float*>(t.exp_avg) + 50; }),
+                 "overlap");
   expect_invalid(with([&](AdamTensor& t) { t.params = good.params.data(); }), "overlap");
   AdamOptions bad_beta = o;
   bad_beta.beta2 = 1.0;

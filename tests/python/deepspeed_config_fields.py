@@ -323,9 +323,9 @@ FIELDS: list[DeepSpeedField] = [
     _field("bf16.immediate_grad_update", "bool", False, True, "bfloat16.immediate_grad_update"),
     _field("bf16.check_grad_overflow", "bool", True, False, "bfloat16.check_grad_overflow"),
     _field("bf16.bf16_master_weights_and_grads", "bool", False, True, "bfloat16.bf16_master_weights_and_grads",
-           requires={"zero_optimization": {"stage": 2}}),
+           requires={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}),
     _field("bf16.bf16_optimizer_states", "bool", False, True, "bfloat16.bf16_optimizer_states",
-           requires={"zero_optimization": {"stage": 2}, "bf16": {"bf16_master_weights_and_grads": True}}),
+           requires={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
     # deepspeed/runtime/config.py (get_torch_autocast_*)
     _field("torch_autocast.enabled", "bool", False, True),
     _field("torch_autocast.dtype", "dtype name", ABSENT, "bfloat16",

@@ -134,7 +134,7 @@ def test_deepspeed_zero3_keys_at_their_defaults_are_accepted():
         ("checkpoint.tag_validation", "Strict", "'Warn', 'Ignore' or 'Fail'"),
         ("fp16.auto_cast", True, "torch autocast"),
         ("data_types.grad_accum_dtype", "bf16", "accumulates gradients in fp32"),
-        ("bf16.bf16_master_weights_and_grads", True, "master weights and gradients in fp32"),
+        ("fp16.fp16_master_weights_and_grads", True, "master weights and gradients in fp32"),
         ("torch_autocast", {"enabled": True, "dtype": "bfloat16"}, "torch autocast inside the engine"),
         ("amp", {"enabled": 1, "opt_level": "O1"}, "bf16.enabled or fp16.enabled"),
         ("hybrid_engine", {"enabled": True}, "hybrid"),

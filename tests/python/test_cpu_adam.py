@@ -195,9 +195,9 @@ def test_unsupported_parameters_are_rejected_before_any_update() -> None:
     assert torch.equal(good.detach(), torch.ones(4))
     assert len(opt.state) == 1 and opt.state[good]["step"].item() == 0.0
 
-    half = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
-    half.grad = torch.ones(4, dtype=torch.bfloat16)
-    with pytest.raises(zcore.InvalidArgumentError, match="dtype=torch.bfloat16"):
+    half = torch.ones(4, dtype=torch.float16, requires_grad=True)
+    half.grad = torch.ones(4, dtype=torch.float16)
+    with pytest.raises(zcore.InvalidArgumentError, match="dtype=torch.float16"):
         zo.CPUAdamW([half]).step()
 
 
@@ -217,3 +217,49 @@ def test_isa_can_be_forced_by_environment_variable() -> None:
     env = dict(os.environ, ZCORE_CPU_ISA="sse9")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["rejected: sse9", "active: scalar"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_master_weights_step_in_fp32_and_round_once(isa: str, state_dtype: torch.dtype) -> None:
+    """DeepSpeed's bf16 master weights (and bf16 states): torch's fp32 AdamW
+    on the upcast values, the weights (and moments) rounded to bf16 after
+    every step."""
+    gen = torch.Generator().manual_seed(7)
+    start = torch.randn(4099, generator=gen).bfloat16()
+    ours = start.clone().requires_grad_()
+    opt = zo.CPUAdamW([ours], lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    ref = start.float().requires_grad_()
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+    for _ in range(20):
+        grad = torch.randn(4099, generator=gen).bfloat16()  # torch takes gradients of the parameter's dtype
+        ours.grad, ref.grad = grad, grad.float()
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            ref.copy_(ref.bfloat16().float())
+            if state_dtype == torch.bfloat16:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    ref_opt.state[ref][key].copy_(ref_opt.state[ref][key].bfloat16().float())
+    assert ours.dtype == torch.bfloat16 and opt.state[ours]["exp_avg"].dtype == state_dtype
+    # torch's sqrt may differ by an ulp in fp32, which can move a bf16 rounding by one step.
+    torch.testing.assert_close(ours.detach().float(), ref.detach(), rtol=2**-7, atol=0.0)
+    assert (ours.detach().float() == ref.detach()).float().mean() > 0.99
+    torch.testing.assert_close(opt.state[ours]["exp_avg_sq"].float(), ref_opt.state[ref]["exp_avg_sq"], rtol=2**-7, atol=0.0)
+
+
+def test_fp32_moments_of_bf16_weights_survive_a_state_dict_round_trip() -> None:
+    """torch's load_state_dict casts floating states to the parameter's
+    dtype; CPUAdam keeps its state_dtype's values."""
+    p = torch.randn(64).bfloat16().requires_grad_()
+    opt = zo.CPUAdamW([p], state_dtype=torch.float32)
+    p.grad = torch.randn(64).bfloat16()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    q = p.detach().clone().requires_grad_()
+    again = zo.CPUAdamW([q], state_dtype=torch.float32)
+    again.load_state_dict(saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert again.state[q][key].dtype == torch.float32
+        assert torch.equal(again.state[q][key], saved["state"][0][key])
+    with pytest.raises(zcore.InvalidArgumentError, match="state_dtype"):
+        zo.CPUAdam([q], state_dtype=torch.float16)

@@ -39,9 +39,19 @@ def merged(base: dict, extra: dict) -> dict:
     return out
 
 
+# DeepSpeed's other names of a config section.
+ALIASED_SECTIONS = {"bf16": "bfloat16"}
+
+
 def with_value(requires: Any, path: str, value: Any) -> dict:
-    config = merged(BASE, requires or {})
+    """``requires`` with ``path`` set to ``value``; what ``requires`` sets in
+    the section ``path`` names by another of DeepSpeed's names ("bf16" for
+    "bfloat16") moves there."""
     *parents, leaf = path.split(".")
+    requires = dict(requires or {})
+    for other in [k for k in requires if parents and ALIASED_SECTIONS.get(k) == parents[0]]:
+        requires[parents[0]] = requires.pop(other)
+    config = merged(BASE, requires)
     node = config
     for part in parents:
         if not isinstance(node.get(part), dict):

@@ -23,6 +23,11 @@ from zcore.cli import main, parameter_count
 TOLERANCE = 0.10  # the issue's bound, per tier; the layouts are counted exactly, so it is met with room
 
 
+def lean(config: dict, bf16_states: bool) -> dict:
+    config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=bf16_states)
+    return config
+
+
 def cases(nvme: str) -> dict[str, tuple[str, dict]]:
     """label -> (model in models.MODELS, config)."""
     on_nvme = {"device": "nvme", "nvme_path": nvme}
@@ -43,6 +48,12 @@ def cases(nvme: str) -> dict[str, tuple[str, dict]]:
         "gpt stage 3, optimizer on nvme": ("gpt", zcore_config(3, 1, 0.0, zero={**ON_DEMAND, "offload_optimizer": on_nvme})),
         "gpt stage 3, parameters on nvme": (
             "gpt", zcore_config(3, 1, 0.0, zero={**ON_DEMAND, "offload_param": {**on_nvme, "max_in_cpu": 0}})),
+        # bf16 master weights (and moments): 2 bytes each where fp32 takes 4.
+        "gpt stage 2, bf16 master and moments": ("gpt", lean(zcore_config(2, 1, 0.0, "bf16"), True)),
+        "gpt stage 1, bf16 master, fp32 moments on cpu": (
+            "gpt", lean(zcore_config(1, 1, 0.0, "bf16", offload=True), False)),
+        "gpt stage 3, bf16 master and moments on nvme": (
+            "gpt", lean(zcore_config(3, 1, 0.0, "bf16", zero={**ON_DEMAND, "offload_optimizer": on_nvme}), True)),
         # max_in_cpu keeps the first groups' shards in host memory, the rest go to NVMe.
         "norm stage 3, both on nvme, split": (
             "norm", zcore_config(3, 1, 0.0, zero={**ON_DEMAND, "offload_optimizer": on_nvme,

@@ -30,7 +30,9 @@ from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
 from training import DTYPES, GLOBAL_BATCH, relative_error, rows
 from zcore.comm import counting_group
-from zcore.errors import ConfigError, InvalidArgumentError
+from zcore.errors import InvalidArgumentError
+from zcore.optim.muon import Muon
+from zcore.step.matrix_step import assign_owners
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -458,3 +460,18 @@ def test_a_use_muon_attribute_set_by_the_user_decides_the_split():
     model.scale.use_muon = True  # Muon takes matrices only: refused, naming the shape
     with pytest.raises(InvalidArgumentError, match=r"shape \(4,\) has fewer than 2 dimensions"):
         _muon_half(model)
+
+
+def test_owners_balance_the_iterations_multiply_adds():
+    """A 64 x 4096 matrix costs the standard iteration 5(2·64²·4096 + 64³)
+    multiply-adds, more than a 170 x 170 one (5·3·170³), but the Gram one
+    only 4·64²·4096 + 20·64³, less: on 3 ranks, beside a 512 x 512 matrix
+    that takes the first, the costlier of the two goes to the second rank."""
+    shapes = [(64, 4096), (170, 170), (512, 512)]
+    standard = Muon([torch.nn.Parameter(torch.zeros(1, 1))])
+    gram = Muon([torch.nn.Parameter(torch.zeros(1, 1))], ns_method="gram")
+    assert standard.cost(64, 4096) == 5 * (2 * 64 * 64 * 4096 + 64**3)
+    assert gram.cost(4096, 64) == 4 * 64 * 64 * 4096 + 20 * 64**3
+    assert gram.cost(170, 170) == standard.cost(170, 170) == 15 * 170**3
+    assert assign_owners([standard.cost(*s) for s in shapes], 3) == [1, 2, 0]
+    assert assign_owners([gram.cost(*s) for s in shapes], 3) == [2, 1, 0]

@@ -14,6 +14,9 @@
 //   v  = v * beta2 + (1 - beta2) * g * g
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   out = round_to_nearest_even(p)             (optional bf16/fp16 copy)
+// params and the two moments may each be bf16 instead of fp32 (DeepSpeed's
+// bf16 master weights and bf16 optimizer states): they are upcast, the step
+// runs in fp32 as above, and each is rounded to nearest even once, on store.
 // amsgrad is not implemented. Results are bitwise identical across SIMD
 // levels and thread counts.
 #pragma once
@@ -39,15 +42,18 @@ struct AdamOptions {
   double grad_scale = 1.0;
 };
 
-// One tensor's buffers, all `numel` elements long. params, exp_avg and
-// exp_avg_sq are fp32 and updated in place; params_out, when not null,
-// receives the updated params in out_dtype (bf16 or fp16) in the same pass.
+// One tensor's buffers, all `numel` elements long. params (param_dtype),
+// exp_avg and exp_avg_sq (both state_dtype) are fp32 or bf16 and updated in
+// place; params_out, when not null, receives the updated params in out_dtype
+// (bf16 or fp16) in the same pass.
 struct AdamTensor {
-  float* params = nullptr;
+  void* params = nullptr;
+  DType param_dtype = DType::kFloat32;
   const void* grads = nullptr;
   DType grad_dtype = DType::kFloat32;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  DType state_dtype = DType::kFloat32;
   void* params_out = nullptr;
   DType out_dtype = DType::kBFloat16;
   std::int64_t numel = 0;

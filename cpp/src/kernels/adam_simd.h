@@ -29,13 +29,14 @@ namespace {
 
 struct NoOut {};  // no low-precision copy of the parameters
 
-// One register of elements starting at i, in torch's operation order.
-template <class V, class G, class O>
-void adam_register(const AdamScalars& c, float* p, const void* g, float* m, float* v,
-                   void* out, std::int64_t i) {
+// One register of elements starting at i, in torch's operation order. Element
+// types: gradient G, copy-out O, params P, moments S.
+template <class V, class G, class O, class P, class S>
+void adam_register(const AdamScalars& c, void* p, const void* g, void* m, void* v, void* out,
+                   std::int64_t i) {
   using F = typename V::F;
   F grad = V::mul(simd::load_as_float<V, G>(g, i), V::set1(c.grad_scale));
-  F param = V::load(p + i);
+  F param = simd::load_as_float<V, P>(p, i);
   if (c.decay == WeightDecay::kDecoupled) {
     param = V::mul(param, V::set1(c.decay_factor));
   } else if (c.decay == WeightDecay::kL2) {
@@ -43,54 +44,81 @@ void adam_register(const AdamScalars& c, float* p, const void* g, float* m, floa
   }
   // torch's vectorized lerp: fma(w, end - start, start) for |w| < 0.5, else
   // fma(w - 1, end - start, end).
-  F mom = V::load(m + i);
+  F mom = simd::load_as_float<V, S>(m, i);
   const F diff = V::sub(grad, mom);
   mom = c.lerp_small_weight ? V::fma(V::set1(c.lerp_weight), diff, mom)
                             : V::fma(V::set1(c.lerp_weight - 1.0f), diff, grad);
   // torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2); its
   // addcmul computes fma(value * g, g, self).
   const F sq = V::fma(V::mul(V::set1(c.one_minus_beta2), grad), grad,
-                      V::mul(V::load(v + i), V::set1(c.beta2)));
+                      V::mul(simd::load_as_float<V, S>(v, i), V::set1(c.beta2)));
   // torch: denom = sqrt(v) / bias_correction2_sqrt + eps;
   //        param.addcdiv_(m, denom, value=-step_size) = param + (value * m) / denom
   const F denom =
       V::add(V::div(V::sqrt(sq), V::set1(c.bias_correction2_sqrt)), V::set1(c.eps));
   param = V::add(param, V::div(V::mul(V::set1(c.neg_step_size), mom), denom));
-  V::store(p + i, param);
-  V::store(m + i, mom);
-  V::store(v + i, sq);
+  simd::store_from_float<V, P>(p, i, param);
+  simd::store_from_float<V, S>(m, i, mom);
+  simd::store_from_float<V, S>(v, i, sq);
   if constexpr (!std::is_same_v<O, NoOut>) simd::store_from_float<V, O>(out, i, param);
 }
 
-template <class V, class G, class O>
+template <class V, class G, class O, class P, class S>
 void adam_range_typed(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                       std::int64_t end) {
   const std::int64_t full_end = begin + (end - begin) / kBlock * kBlock;
   for (std::int64_t i = begin; i < full_end; i += V::kWidth) {
-    adam_register<V, G, O>(c, t.params, t.grads, t.exp_avg, t.exp_avg_sq, t.params_out, i);
+    adam_register<V, G, O, P, S>(c, t.params, t.grads, t.exp_avg, t.exp_avg_sq, t.params_out, i);
   }
   const std::int64_t n = end - full_end;
   if (n == 0) return;
   // The last partial block runs through the same vector code on zero-padded
   // copies, so tails get exactly the arithmetic of full blocks.
-  alignas(64) float p[kBlock] = {};
-  alignas(64) float m[kBlock] = {};
-  alignas(64) float v[kBlock] = {};
+  constexpr std::int64_t ps = simd::element_size<P>();
+  constexpr std::int64_t ss = simd::element_size<S>();
+  constexpr std::int64_t gs = simd::element_size<G>();
+  alignas(64) unsigned char p[kBlock * 4] = {};
+  alignas(64) unsigned char m[kBlock * 4] = {};
+  alignas(64) unsigned char v[kBlock * 4] = {};
   alignas(64) unsigned char g[kBlock * 4] = {};
   alignas(64) unsigned char out[kBlock * 2] = {};
-  std::memcpy(p, t.params + full_end, n * 4);
-  std::memcpy(m, t.exp_avg + full_end, n * 4);
-  std::memcpy(v, t.exp_avg_sq + full_end, n * 4);
-  std::memcpy(g, static_cast<const unsigned char*>(t.grads) + full_end * simd::element_size<G>(),
-              n * simd::element_size<G>());
+  const auto at = [full_end](const void* base, std::int64_t size) {
+    return static_cast<const unsigned char*>(base) + full_end * size;
+  };
+  std::memcpy(p, at(t.params, ps), n * ps);
+  std::memcpy(m, at(t.exp_avg, ss), n * ss);
+  std::memcpy(v, at(t.exp_avg_sq, ss), n * ss);
+  std::memcpy(g, at(t.grads, gs), n * gs);
   for (std::int64_t i = 0; i < kBlock; i += V::kWidth) {
-    adam_register<V, G, O>(c, p, g, m, v, out, i);
+    adam_register<V, G, O, P, S>(c, p, g, m, v, out, i);
   }
-  std::memcpy(t.params + full_end, p, n * 4);
-  std::memcpy(t.exp_avg + full_end, m, n * 4);
-  std::memcpy(t.exp_avg_sq + full_end, v, n * 4);
-  if constexpr (!std::is_same_v<O, NoOut>) {
-    std::memcpy(static_cast<unsigned char*>(t.params_out) + full_end * 2, out, n * 2);
+  const auto back = [full_end](void* base, std::int64_t size) {
+    return static_cast<unsigned char*>(base) + full_end * size;
+  };
+  std::memcpy(back(t.params, ps), p, n * ps);
+  std::memcpy(back(t.exp_avg, ss), m, n * ss);
+  std::memcpy(back(t.exp_avg_sq, ss), v, n * ss);
+  if constexpr (!std::is_same_v<O, NoOut>) std::memcpy(back(t.params_out, 2), out, n * 2);
+}
+
+// Run-time dtypes to compile-time tags, one argument at a time.
+template <class V, class G, class O, class P>
+void adam_range_state(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
+                      std::int64_t end) {
+  if (t.state_dtype == DType::kBFloat16) {
+    adam_range_typed<V, G, O, P, simd::Bf16>(c, t, begin, end);
+  } else {
+    adam_range_typed<V, G, O, P, float>(c, t, begin, end);
+  }
+}
+
+template <class V, class G, class O>
+void adam_range_param(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
+                      std::int64_t end) {
+  if (t.param_dtype == DType::kBFloat16) {
+    adam_range_state<V, G, O, simd::Bf16>(c, t, begin, end);
+  } else {
+    adam_range_state<V, G, O, float>(c, t, begin, end);
   }
 }
 
@@ -98,11 +126,11 @@ template <class V, class G>
 void adam_range_grad(const AdamScalars& c, const AdamTensor& t, std::int64_t begin,
                      std::int64_t end) {
   if (t.params_out == nullptr) {
-    adam_range_typed<V, G, NoOut>(c, t, begin, end);
+    adam_range_param<V, G, NoOut>(c, t, begin, end);
   } else if (t.out_dtype == DType::kBFloat16) {
-    adam_range_typed<V, G, simd::Bf16>(c, t, begin, end);
+    adam_range_param<V, G, simd::Bf16>(c, t, begin, end);
   } else {
-    adam_range_typed<V, G, simd::Fp16>(c, t, begin, end);
+    adam_range_param<V, G, simd::Fp16>(c, t, begin, end);
   }
 }
 

@@ -153,7 +153,7 @@ def _states(
             state[key] = torch.empty(0) if values.swapped else targets.read(slot.name, slot.start, slot.stop, key)
         try:
             live = values.state_template(slot)
-            training_state.check_piece_state(state, live, kind, groups[id(slot.piece)], slot.data)
+            state = training_state.checked_piece_state(state, live, kind, groups[id(slot.piece)], values.moment_like(slot))
         except ValueError as exc:
             raise CheckpointMismatchError(
                 f"DCP checkpoint {checkpoint}: optimizer state of {slot.name}: {exc}"

@@ -253,7 +253,9 @@ def _stage_optimizer(
         else:
             state = {"step": step, **{key: ranges.read(slot.name, slot.start, slot.stop, key) for key in MOMENTS}}
         try:
-            training_state.check_piece_state(state, values.state_template(slot), kind, groups[id(slot.piece)], slot.data)
+            state = training_state.checked_piece_state(
+                state, values.state_template(slot), kind, groups[id(slot.piece)], values.moment_like(slot)
+            )
         except ValueError as exc:
             raise CheckpointMismatchError(f"DeepSpeed checkpoint {path}: optimizer state of {slot.name}: {exc}") from None
         staged.states[slot.piece] = state

@@ -89,6 +89,7 @@ def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _shards_or_zeros(engine: Any, failures: list[BaseException]) -> Iterator[tuple[Any, torch.Tensor]]:
     read: Optional[Iterator[tuple[Any, torch.Tensor]]] = _shards(engine)
     trained = {id(u) for u in engine.optimizer.units} if engine.optimizer is not None else set()
+    master_dtype = engine.optimizer.precision.master_dtype if engine.optimizer is not None else torch.float32
     for unit in _units(engine):
         shard = None
         if read is not None:
@@ -97,8 +98,8 @@ def _shards_or_zeros(engine: Any, failures: list[BaseException]) -> Iterator[tup
             except Exception as exc:  # noqa: BLE001 - reported by the caller on every rank
                 failures.append(exc)
                 read = None
-        if shard is None:  # what the others gather: fp32 masters, frozen groups in their dtype
-            shard = torch.zeros(unit.shard_numel, dtype=torch.float32 if id(unit) in trained else unit.dtype)
+        if shard is None:  # what the others gather: masters in theirs, frozen groups in their dtype
+            shard = torch.zeros(unit.shard_numel, dtype=master_dtype if id(unit) in trained else unit.dtype)
         yield unit, shard
 
 
@@ -114,7 +115,7 @@ def _units(engine: Any) -> Iterator[Any]:
 
 
 def _shards(engine: Any) -> Iterator[tuple[Any, torch.Tensor]]:
-    """Each unit's fp32 master shard, then (stage 3) each frozen group's
+    """Each unit's master shard, then (stage 3) each frozen group's
     shard, one at a time: read from NVMe where they rest there."""
     optimizer = engine.optimizer  # None: an inference engine, its groups in the compute dtype
     if optimizer is not None and isinstance(optimizer.master, SwappedMaster):

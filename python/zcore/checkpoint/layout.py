@@ -116,7 +116,8 @@ def engine_layout(engine: Any) -> EngineLayout:
     units = optimizer.units if optimizer is not None else []
     for unit, pieces in zip(units, optimizer.master.pieces if optimizer is not None else []):
         replicated = unit.shard_numel == unit.padded_numel
-        stored = [describe_param(p, tuple(shape), torch.float32, TRAINED) for p, shape in zip(unit.params, unit.shapes)]
+        master_dtype = pieces[0].dtype if pieces else torch.float32  # fp32, or bf16 master weights
+        stored = [describe_param(p, tuple(shape), master_dtype, TRAINED) for p, shape in zip(unit.params, unit.shapes)]
         for meta, piece in zip(unit.pieces, pieces):
             p = unit.params[meta.param_index]
             saves = writes_shards and distinct_over_tp(p) if not replicated else saves_whole(p)

@@ -237,8 +237,9 @@ def _read(
                     raise schema.invalid(path, f"scalars.{slot.name}.{both[0]}", "is also a ranged state")
                 state.update(training_state.join_scalars(scalars))
                 try:
-                    training_state.check_piece_state(
-                        state, values.state_template(slot), meta.optimizer.kind, groups[id(slot.piece)], slot.data
+                    state = training_state.checked_piece_state(
+                        state, values.state_template(slot), meta.optimizer.kind, groups[id(slot.piece)],
+                        values.moment_like(slot),
                     )
                 except ValueError as exc:
                     raise schema.invalid(path, f"optimizer state of {slot.name}", str(exc)) from None

@@ -47,6 +47,14 @@ class SlotValues:
             return {"step": state["step"], "exp_avg": slot.data, "exp_avg_sq": slot.data}
         return state
 
+    def moment_like(self, slot: Slot) -> torch.Tensor:
+        """An empty tensor of the dtype a trained slot's moments are kept
+        in: zcore's CPUAdam says (bf16 master weights may keep fp32
+        moments); a torch optimizer keeps its parameter's."""
+        state_dtype_of = getattr(self._inner, "state_dtype_of", None)
+        dtype = state_dtype_of(slot.piece) if state_dtype_of is not None else slot.data.dtype
+        return torch.empty(0, dtype=dtype)
+
     def trained(self, slots: list[Slot]) -> Iterator[tuple[Slot, torch.Tensor, Optional[dict]]]:
         """``(slot, values, state)`` for every trained slot, in ``slots``'
         order (the layout's), each valid until the next one."""

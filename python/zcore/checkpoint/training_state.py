@@ -17,6 +17,7 @@ import torch
 from zcore.checkpoint.files import shown
 from zcore.checkpoint.tensor_file import storable
 from zcore.errors import CheckpointError
+from zcore.memory.kernel_tensors import MASTER_DTYPES
 from zcore.optim.compressed_adam import MOMENTUM_MASK
 
 _TENSOR_REF = "__zcore_tensor__"
@@ -180,12 +181,17 @@ def join_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
 _ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}
 
 
-def check_piece_state(state: dict[str, Any], live: Optional[dict], kind: str, group: dict, like: torch.Tensor) -> None:
-    """Raises ValueError unless a parameter piece's loaded optimizer state has
-    the keys and kinds its optimizer keeps: those of the live state when the
-    optimizer has stepped, else Adam's (the update rules zcore builds);
-    ranged states of ``like``'s dtype, one-element tensors as the live ones
-    (Adam's step: float32, shape [], never negative)."""
+def checked_piece_state(
+    state: dict[str, Any], live: Optional[dict], kind: str, group: dict, like: torch.Tensor
+) -> dict[str, Any]:
+    """A parameter piece's loaded optimizer state, its ranged floating-point
+    states cast to the dtype the run keeps them in (the live ones', else
+    ``like``'s: fp32 or bf16 moments, bf16.bf16_optimizer_states), so that a
+    checkpoint loads whichever dtypes either run keeps. Raises ValueError
+    unless it has the keys and kinds its optimizer keeps: those of the live
+    state when the optimizer has stepped, else Adam's (the update rules
+    zcore builds); one-element tensors as the live ones (Adam's step:
+    float32, shape [], never negative)."""
     if live:
         expected: Optional[set] = set(live)
     elif kind in ("Adam", "AdamW"):
@@ -195,6 +201,7 @@ def check_piece_state(state: dict[str, Any], live: Optional[dict], kind: str, gr
         expected, live = None, {}
     if expected is not None and set(state) != expected:
         raise ValueError(f"holds state keys {sorted(state)}; the optimizer keeps {sorted(expected)}")
+    state = {key: _in_run_dtype(value, live.get(key), like) for key, value in state.items()}
     for key, value in state.items():
         ref = live.get(key)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and not isinstance(ref, torch.Tensor):
@@ -209,6 +216,16 @@ def check_piece_state(state: dict[str, Any], live: Optional[dict], kind: str, gr
             raise ValueError(f"state {key!r} must be a {type(ref).__name__}, not {shown(value)}")
         if key == "step" and (value < 0 if not isinstance(value, torch.Tensor) else bool((value < 0).any())):
             raise ValueError(f"state 'step' must not be negative, got {shown(value)}")
+    return state
+
+
+def _in_run_dtype(value: Any, ref: Any, like: torch.Tensor) -> Any:
+    """A ranged fp32 or bf16 state in the one of the two its live
+    counterpart (or ``like``) has; anything else as it is (and checked)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.dtype not in MASTER_DTYPES:
+        return value
+    target = ref.dtype if isinstance(ref, torch.Tensor) and ref.dim() > 0 else like.dtype
+    return value.to(target) if target in MASTER_DTYPES else value
 
 
 def scheduler_state(scheduler: Any) -> Any:

@@ -158,8 +158,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "zero_optimization.zenflow": (None, "ZenFlow's stale-gradient updates are not supported"),
     "fp16.auto_cast": (False, "zcore casts the model to fp16 itself; torch autocast inside it is not supported"),
     "fp16.fp16_master_weights_and_grads": (False, "zcore keeps master weights and gradients in fp32"),
-    "bf16.bf16_master_weights_and_grads": (False, "zcore keeps master weights and gradients in fp32"),
-    "bf16.bf16_optimizer_states": (False, "zcore keeps optimizer states in fp32"),
     "data_types.grad_accum_dtype": (None, "zcore accumulates gradients in fp32"),
     "data_types.param_dtype": (None, "zcore's parameters take the compute dtype of bf16 or fp16"),
     "data_types.buffer_dtype": (None, "zcore's buffers keep their dtype unless bf16/fp16.cast_buffers"),

@@ -67,11 +67,13 @@ class AdamParams(_AdamHyperParams):
     torch_adam: bool = False
     amsgrad: Literal[False] = False
     # DeepSpeed's fused and CPU Adam take these two; zcore's Adam always
-    # corrects the moments' bias and keeps its states in fp32.
+    # corrects the moments' bias, and keeps its states in fp32 unless
+    # bf16.bf16_optimizer_states asks for bf16 (with which DeepSpeed's CPU
+    # Adam wants false here: zcore.config.schema checks the two agree).
     bias_correction: bool = True
     fp32_optimizer_states: bool = True
 
-    @field_validator("bias_correction", "fp32_optimizer_states")
+    @field_validator("bias_correction")
     @classmethod
     def _what_zcore_does(cls, v: bool, info: Any) -> bool:
         return _always(v, "zcore's Adam", info.field_name)

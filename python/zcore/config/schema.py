@@ -45,6 +45,24 @@ class BF16Config(Section):
     # embedding's inv_freq in bf16 is off by radians at long positions)
     # unless this casts them to the compute dtype, as DeepSpeed does.
     cast_buffers: bool = False
+    # DeepSpeed's leaner states: master weights (and the gradients the
+    # optimizer takes) in bf16, and with them Adam's moments in bf16.
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    @model_validator(mode="after")
+    def _states_need_master(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError(
+                "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads (as in DeepSpeed): "
+                "set it true too, or drop bf16_optimizer_states"
+            )
+        if self.bf16_master_weights_and_grads and not self.enabled:
+            raise ValueError(
+                "bf16.bf16_master_weights_and_grads keeps the master weights in bf16, which needs bf16 "
+                "training: set bf16.enabled true, or drop bf16_master_weights_and_grads"
+            )
+        return self
 
 
 class FP16Config(Section):
@@ -358,6 +376,13 @@ class Config(Section):
     def _one_precision(self) -> Config:
         if self.bf16.enabled and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        params = getattr(self.optimizer, "params", None)
+        if getattr(params, "fp32_optimizer_states", True) is False and not self.bf16.bf16_optimizer_states:
+            raise ValueError(
+                "optimizer.params.fp32_optimizer_states is false, but zcore keeps Adam's moments in bf16 only "
+                "with bf16.bf16_optimizer_states (and bf16_master_weights_and_grads): set those true, or remove "
+                "fp32_optimizer_states"
+            )
         return self
 
     def ignored_keys_line(self) -> Optional[str]:

@@ -55,7 +55,6 @@ from zcore.step.sharded_optimizer import (
     UnitShards,
 )
 from zcore.step.swapped_optimizer import (
-    FP32_BYTES,
     STATES,
     SwappedAdamUpdate,
     SwappedMaster,
@@ -118,7 +117,7 @@ def training_engine(
         plan, sharded_groups, hooked = _plan_shards(model, cfg, context, precision, ranks, alone)
         units: list[Unit] = [g for g in sharded_groups if g.trainable]
         fetcher, fetcher_hooks = _fetcher(model, sharded_groups, hooked, cfg, policies, ranks)
-        master = _master(units, offload, context)
+        master = _master(units, offload, context, precision)
         _fill(plan, sharded_groups, context, ranks.data_parallel, a.meta_init, fetcher, master, units)
         fetcher_hooks += _present_sharded(model, sharded_groups, context)
         fetcher_hooks += hooks.register_backward_exit_hooks(fetcher)
@@ -127,7 +126,7 @@ def training_engine(
         _place_and_synchronise(model, context, ranks.data_parallel)
         groups = collect_param_groups(model, optimizer, model_parameters, cfg.optimizer)
         units = layouts = _pack(groups, cfg, policies.stage, context.device, alone)
-        master = _master(units, offload, context)
+        master = _master(units, offload, context, precision)
         _write_states(master, units)
     _cast_model(model, layouts, precision)
 
@@ -356,31 +355,44 @@ def _optimizer_bytes_on_nvme(master: Optional[Union[MasterShards, SwappedMaster]
     unless they live there (zcore.step.swapped_optimizer)."""
     if not isinstance(master, SwappedMaster):
         return [0] * len(units)
-    return [STATES * FP32_BYTES * sum(piece.numel for piece in unit.pieces) for unit in units]
+    size = torch.empty((), dtype=master.dtype).element_size()
+    return [STATES * size * sum(piece.numel for piece in unit.pieces) for unit in units]
 
 
-def _master(units: list[Unit], offload: OffloadPolicy, context: comm.DistributedContext) -> Union[MasterShards, SwappedMaster]:
+def _master(
+    units: list[Unit], offload: OffloadPolicy, context: comm.DistributedContext, precision: MixedPrecision
+) -> Union[MasterShards, SwappedMaster]:
     if offload.optimizer is Tier.NVME:
-        return _swapped_master(units, offload)
-    return MasterShards(units, offload.master_device(context.device), pin_memory=offload.pin_memory)
+        return _swapped_master(units, offload, precision)
+    return MasterShards(
+        units, offload.master_device(context.device), pin_memory=offload.pin_memory, dtype=precision.master_dtype
+    )
 
 
-def _swapped_master(units: list[Unit], offload: OffloadPolicy) -> SwappedMaster:
+def _swapped_master(units: list[Unit], offload: OffloadPolicy, precision: MixedPrecision) -> SwappedMaster:
     """Optimizer states on NVMe: sub-groups sized for the host memory they
     pass through (zcore.step.swapped_optimizer); their values come by take()."""
     assert offload.optimizer_swap is not None
+    if precision.master_dtype != precision.state_dtype:
+        raise ConfigError(
+            "optimizer states on NVMe keep the master weights and the moments in one dtype, but "
+            "bf16.bf16_master_weights_and_grads is true and bf16_optimizer_states false: set "
+            "bf16_optimizer_states to true too, or offload_optimizer.device to 'cpu' (host memory keeps fp32 "
+            "moments beside bf16 weights)"
+        )
+    element_size = torch.empty((), dtype=precision.master_dtype).element_size()
     total = sum(p.numel for u in units for p in u.pieces)
     size = sub_group_elements(
         total, offload.optimizer_buffers, offload.sub_group_size, offload.sub_group_size_set,
-        host_bytes_available(),
+        host_bytes_available(), element_size,
     )
-    sub_groups = plan_sub_groups(units, size)
+    sub_groups = plan_sub_groups(units, size, element_size)
     largest = max((s.nbytes for s in sub_groups), default=PAGE_ALIGNMENT)
     open_swap = functools.partial(
         offload.optimizer_swap.open,
         "optimizer", swap_capacity(sub_groups), offload.optimizer_buffers * (largest + PAGE_ALIGNMENT),
     )
-    return SwappedMaster(units, sub_groups, open_swap, read_ahead=offload.read_ahead)
+    return SwappedMaster(units, sub_groups, open_swap, read_ahead=offload.read_ahead, dtype=precision.master_dtype)
 
 
 def _update(

@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Callable
 
-import torch
 from torch import nn
 
 from zcore.engine import hooks

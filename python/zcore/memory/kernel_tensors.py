@@ -20,6 +20,9 @@ NATIVE_DTYPES = {
     torch.float16: _C.DType.FLOAT16,
 }
 FP32 = (torch.float32,)
+# Master weights and optimizer states: fp32, or bf16 (DeepSpeed's
+# bf16_master_weights_and_grads and bf16_optimizer_states).
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COPY_OUT_DTYPES = (torch.bfloat16, torch.float16)
 

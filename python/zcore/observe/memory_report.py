@@ -26,6 +26,7 @@ from zcore.parallel.dtensor import local_tensor
 from zcore.optim import CompressedAdam, ZeroOneAdam
 from zcore.step.units import Unit
 from zcore.config.policies import Policies, Tier
+from zcore.step.precision import MixedPrecision
 from zcore.step.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def measure_memory(
     if optimizer is not None:
         _measure_gradients(optimizer, measured)
         _measure_optimizer_states(optimizer, offload.optimizer, measured)
-        _theory_states(policies, units, device, theoretical)
+        _theory_states(policies, units, device, optimizer.precision, theoretical)
         if isinstance(optimizer.inner, CompressedAdam):
             _theory_compressed(optimizer.inner, theoretical)
     buffers = _tensor_bytes(module.buffers())
@@ -190,7 +191,8 @@ def _measure_sharded_parameters(fetcher: ParamFetcher, table: _Table) -> None:
 
 def _measure_gradients(optimizer: ShardedOptimizer, table: _Table) -> None:
     """The reducer's fp32 gradients are on the device; an optimizer offloaded
-    to the host from a GPU keeps fp32 copies of the shards beside it."""
+    to the host from a GPU keeps copies of the shards beside it, in the
+    master's dtype."""
     reducer = optimizer.reducer
     table.add("gradients", DEVICE, _tensor_bytes(reducer.held_tensors()))
     grads = getattr(reducer, "grads", None)
@@ -224,9 +226,11 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 # - gradients, fp32 on the device: a full-size accumulator 4*Psi in stages 0
 #   and 1, plus the reduced shard 4*Psi/N in stage 1; only the shard 4*Psi/N
 #   in stages 2 and 3, which goes to NVMe with the optimizer states there. An optimizer on the host, with a GPU computing, adds
-#   fp32 host copies of the shards, 4*Psi/N (4*Psi in stage 0);
-# - optimizer states: fp32 Adam's master, exp_avg and exp_avg_sq, 12*Psi/N
-#   (12*Psi in stage 0) on offload_optimizer's tier; on NVMe none stays in
+#   host copies of the shards in the master's dtype, m*Psi/N (m*Psi in stage 0);
+# - optimizer states: Adam's master (m bytes: 4, or 2 with bf16 master
+#   weights), exp_avg and exp_avg_sq (s bytes each: 4, or 2 with bf16
+#   optimizer states), (m + 2s)*Psi/N ((m + 2s)*Psi in stage 0; 12*Psi/N
+#   in fp32) on offload_optimizer's tier; on NVMe none stays in
 #   memory between steps; 1-bit Adam and 0/1 Adam (stage 0, on the device)
 #   add fp32 error feedback once they have compressed (``_theory_compressed``,
 #   whose padding is counted: it is the algorithm's, as DeepSpeed pads);
@@ -251,8 +255,11 @@ def _theory_sharded_parameters(fetcher: ParamFetcher, policies: Policies, steps:
         table.add("parameters", tier, full // world)
 
 
-def _theory_states(policies: Policies, units: list[Unit], device: torch.device, table: _Table) -> None:
+def _theory_states(
+    policies: Policies, units: list[Unit], device: torch.device, precision: MixedPrecision, table: _Table
+) -> None:
     stage, offload = policies.stage, policies.offload
+    m, s = precision.master_dtype.itemsize, precision.state_dtype.itemsize
     psi = sum(u.numel for u in units)
     shards = stage.shard_size if stage.shards_optimizer_states else 1
     shard = psi // shards
@@ -263,8 +270,8 @@ def _theory_states(policies: Policies, units: list[Unit], device: torch.device, 
     table.add("gradients", DEVICE, full_accumulator + (0 if swapped else reduced))
     table.add("gradients", NVME, reduced if swapped else 0)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
-        table.add("gradients", HOST, 4 * shard)
-    table.add("optimizer_states", TIER_NAMES[offload.optimizer], 12 * shard)
+        table.add("gradients", HOST, m * shard)
+    table.add("optimizer_states", TIER_NAMES[offload.optimizer], (m + 2 * s) * shard)
 
 
 def _theory_compressed(inner: CompressedAdam, table: _Table) -> None:

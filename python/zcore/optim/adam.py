@@ -4,7 +4,10 @@ kernels.
 Drop-in replacements for CPU parameters: the same arguments, the same update
 (to fp32 rounding), the same ``state_dict`` layout (per parameter ``step`` as a
 float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``; the same param_group keys),
-so a state_dict moves freely between these and torch's optimizers. One native
+so a state_dict moves freely between these and torch's optimizers.
+Parameters may be fp32 or bf16 (bf16 master weights), and ``state_dtype``
+chooses the moments' dtype (fp32 or bf16; default: the parameter's, as
+torch's); bf16 values are stepped in fp32 and rounded once. One native
 call per param_group (per distinct step count within it) updates all of its
 parameters on ``num_threads`` threads (default: ``torch.get_num_threads()`` at
 each step). amsgrad is not supported.
@@ -20,7 +23,7 @@ import torch
 
 from zcore.errors import InvalidArgumentError
 from zcore.optim.functional import AdamConfig, adam_step
-from zcore.memory.kernel_tensors import FP32, check_tensor
+from zcore.memory.kernel_tensors import GRAD_DTYPES, MASTER_DTYPES, check_tensor
 
 
 def group_config(group: dict[str, Any]) -> AdamConfig:
@@ -54,6 +57,7 @@ class CPUAdam(torch.optim.Optimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = False,
         num_threads: int | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         if amsgrad:
             raise InvalidArgumentError(
@@ -62,7 +66,13 @@ class CPUAdam(torch.optim.Optimizer):
         AdamConfig(lr, tuple(betas), eps, weight_decay)  # torch's argument checks
         if num_threads is not None and num_threads < 1:
             raise InvalidArgumentError(f"num_threads={num_threads} must be >= 1", num_threads=num_threads)
+        if state_dtype is not None and state_dtype not in MASTER_DTYPES:
+            raise InvalidArgumentError(
+                f"state_dtype={state_dtype} is not supported; Adam's moments are torch.float32 or torch.bfloat16",
+                state_dtype=str(state_dtype),
+            )
         self.num_threads = num_threads
+        self.state_dtype = state_dtype
         # The keys of torch's Adam param_groups, so that state_dicts load both ways.
         defaults = {
             "lr": lr,
@@ -78,6 +88,14 @@ class CPUAdam(torch.optim.Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         super().__init__(params, defaults)
+        # torch's load_state_dict casts every floating state to its
+        # parameter's dtype; the moments keep state_dtype's values instead.
+        self.register_load_state_dict_pre_hook(_keep_loaded_moments)
+        self.register_load_state_dict_post_hook(_restore_loaded_moments)
+
+    def state_dtype_of(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of parameter ``p``'s moments."""
+        return self.state_dtype or p.dtype
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -142,10 +160,18 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
+        dtype = self.state_dtype_of(p)
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].dtype != dtype:  # a state set by hand, not by load_state_dict
+                raise InvalidArgumentError(
+                    f"the {key} of a {p.dtype} parameter is {state[key].dtype}, but this CPUAdam keeps its "
+                    f"moments in {dtype}: set it in that dtype, or build CPUAdam with state_dtype={state[key].dtype}",
+                    dtype=str(state[key].dtype),
+                )
         return state
 
     @staticmethod
@@ -153,8 +179,28 @@ class CPUAdam(torch.optim.Optimizer):
         name = f"parameter {index} of its group"
         if p.grad.is_sparse:
             raise InvalidArgumentError(f"{name} has a sparse gradient; CPUAdam supports dense gradients only")
-        check_tensor(p, name, FP32, torch.device("cpu"))
-        check_tensor(p.grad, f"the gradient of {name}", FP32, torch.device("cpu"), p.numel())
+        check_tensor(p, name, MASTER_DTYPES, torch.device("cpu"))
+        check_tensor(p.grad, f"the gradient of {name}", GRAD_DTYPES, torch.device("cpu"), p.numel())
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _keep_loaded_moments(optimizer: CPUAdam, state_dict: dict[str, Any]) -> None:
+    optimizer._loaded_moments = {
+        index: {k: state[k] for k in _MOMENTS if isinstance(state.get(k), torch.Tensor)}
+        for index, state in state_dict.get("state", {}).items()
+    }
+
+
+def _restore_loaded_moments(optimizer: CPUAdam) -> None:
+    loaded = optimizer.__dict__.pop("_loaded_moments", {})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, moments in loaded.items():
+        if isinstance(index, int) and index < len(params) and params[index] in optimizer.state:
+            p = params[index]
+            for key, value in moments.items():
+                optimizer.state[p][key] = value.to(dtype=optimizer.state_dtype_of(p), device=p.device)
 
 
 class CPUAdamW(CPUAdam):
@@ -171,8 +217,9 @@ class CPUAdamW(CPUAdam):
         *,
         maximize: bool = False,
         num_threads: int | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
-            maximize=maximize, decoupled_weight_decay=True, num_threads=num_threads,
+            maximize=maximize, decoupled_weight_decay=True, num_threads=num_threads, state_dtype=state_dtype,
         )

@@ -21,8 +21,8 @@ import zcore._C as _C
 from zcore.errors import InvalidArgumentError
 from zcore.memory.kernel_tensors import (
     COPY_OUT_DTYPES,
-    FP32,
     GRAD_DTYPES,
+    MASTER_DTYPES,
     NATIVE_DTYPES,
     check_lengths,
     check_tensor,
@@ -84,7 +84,9 @@ def adam_step(
 ) -> None:
     """One Adam/AdamW step, in place, over every parameter of the lists.
 
-    ``params``, ``exp_avgs``, ``exp_avg_sqs``: fp32. ``grads``: fp32, bf16 or
+    ``params``: fp32 or bf16; ``exp_avgs``, ``exp_avg_sqs``: fp32 or bf16, the
+    same dtype for every moment of a tensor (bf16 values are upcast, stepped
+    in fp32 and rounded to nearest even once). ``grads``: fp32, bf16 or
     fp16, multiplied by ``grad_scale`` (1/loss_scale times the clipping
     coefficient) before use. ``params_out``: optional bf16/fp16 tensors that
     receive the updated parameters, rounded to nearest even. ``step`` counts
@@ -95,11 +97,11 @@ def adam_step(
     options = config.native(step, grad_scale)
     tensors = []
     for i, p in enumerate(params):
-        check_tensor(p, f"params[{i}]", FP32, device)
+        check_tensor(p, f"params[{i}]", MASTER_DTYPES, device)
         n = p.numel()
         g = check_tensor(grads[i], f"grads[{i}]", GRAD_DTYPES, device, n)
-        m = check_tensor(exp_avgs[i], f"exp_avgs[{i}]", FP32, device, n)
-        v = check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", FP32, device, n)
+        m = check_tensor(exp_avgs[i], f"exp_avgs[{i}]", MASTER_DTYPES, device, n)
+        v = check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (m.dtype,), device, n)
         out_ptr, out_dtype = 0, _C.DType.BFLOAT16
         if params_out is not None:
             out = check_tensor(params_out[i], f"params_out[{i}]", COPY_OUT_DTYPES, device, n)
@@ -107,7 +109,7 @@ def adam_step(
         tensors.append(
             _C.AdamTensor(
                 p.data_ptr(), g.data_ptr(), NATIVE_DTYPES[g.dtype], m.data_ptr(), v.data_ptr(), n,
-                out_ptr, out_dtype,
+                out_ptr, out_dtype, NATIVE_DTYPES[p.dtype], NATIVE_DTYPES[m.dtype],
             )
         )
     if device.type == "cpu":

@@ -10,9 +10,10 @@ it on shards (zcore.step.matrix_step) as well as on whole parameters:
    whole-matrix part needs (Muon: the Nesterov blend). Under ZeRO each rank
    runs it on its own slice, so these states are sharded and checkpointed
    as Adam's moments are.
-2. ``direction(matrix, state, group)``, on the whole matrix (2-D: a
-   parameter of more dimensions is viewed as its first dimension by the
-   rest): returns the update's direction; ``state`` holds what only the
+2. ``direction(matrix, state, group)``, on the whole matrix as
+   ``matrix_view`` shows it (by default 2-D: a parameter of more dimensions
+   is viewed as its first dimension by the rest): returns the update's
+   direction, of its shape; ``state`` holds what only the
    whole matrix has (Shampoo's preconditioners). Under ZeRO one rank, the
    matrix's owner, runs it.
 3. ``apply_(param, direction, group, shape)``, element-wise: the parameter
@@ -55,6 +56,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         which ZeRO balances the owners by: Newton-Schulz's m·n·min(m, n) here."""
         return rows * cols * min(rows, cols)
 
+    def matrix_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole parameter-shaped ``t`` as ``direction`` takes it."""
+        return as_matrix(t)
+
     def premix(self, grad: torch.Tensor, state: dict[str, Any], group: dict) -> torch.Tensor:
         raise NotImplementedError
 
@@ -76,7 +81,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 mixed = self.premix(p.grad, self.state[p], group)
-                direction = self.direction(as_matrix(mixed), self.whole_states.setdefault(p, {}), group)
+                direction = self.direction(self.matrix_view(mixed), self.whole_states.setdefault(p, {}), group)
                 self.apply_(p, direction.view(p.shape), group, p.shape)
         return loss
 

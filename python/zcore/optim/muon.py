@@ -56,41 +56,42 @@ def gram_newton_schulz(
     matrix: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
     eps: float = EPS,
 ) -> torch.Tensor:
-    """The orthogonalised ``matrix`` (2-D), in float16: DeepSpeed's Gram
-    Newton-Schulz, the same polynomial as ``newton_schulz`` written as Q·X
-    with Q iterated on the small square X·Xᵀ of the wide orientation; a
-    square matrix takes the plain iteration (no FLOPs to save). Each line
-    is DeepSpeed's operation, so that each rounds where DeepSpeed's does."""
+    """The orthogonalised ``matrix`` (2-D, or a batch of matrices over its
+    leading dimensions), in float16: DeepSpeed's Gram Newton-Schulz, the
+    same polynomial as ``newton_schulz`` written as Q·X with Q iterated on
+    the small square X·Xᵀ of the wide orientation; a square matrix takes
+    the plain iteration (no FLOPs to save). Each line is DeepSpeed's
+    operation, so that each rounds where DeepSpeed's does."""
     a, b, c = coefficients
     # Normalised before the cast to fp16, whose range ends at 65504.
     x = matrix.float() if matrix.dtype == torch.float16 else matrix
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
+        x = x.mT
     x = (x / (x.norm(dim=(-2, -1), keepdim=True) + eps)).half()
-    if x.size(0) == x.size(1):
+    if x.size(-2) == x.size(-1):
         for _ in range(steps):
-            gram = x @ x.T
+            gram = x @ x.mT
             polynomial = b * gram + c * gram @ gram
             x = a * x + polynomial @ x
-        return x.T if tall else x
-    gram = x @ x.T
+        return x.mT if tall else x
+    gram = x @ x.mT
     q: Optional[torch.Tensor] = None
     for i in range(steps):
         if i == GRAM_RESTART:
             x = q @ x
-            gram = x @ x.T
+            gram = x @ x.mT
             q = None
         z = b * gram + c * gram @ gram
         if q is None:
             q = z.clone()
-            q.diagonal().add_(a)
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             q = a * q + z @ q
         if i < steps - 1 and i + 1 != GRAM_RESTART:
             gram_z = a * gram + z @ gram
             gram = a * gram_z + z @ gram_z
-    return x.T @ q.T if tall else q @ x
+    return x.mT @ q.mT if tall else q @ x
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
@@ -166,6 +167,24 @@ class Muon(MatrixOptimizer):
         ours.state = optimizer.state
         return ours
 
+    def cost(self, rows: int, cols: int) -> float:
+        """The multiply-adds of one iteration on a rows x cols matrix, with
+        m <= n its sides: "standard", ns_steps x (X·Xᵀ, its square, the
+        product with X): s(2m²n + m³); "gram" (m < n), X·Xᵀ, its restart and
+        the last Q·X (4m²n) and about four m x m products a step (4sm³)."""
+        m, n = min(rows, cols), max(rows, cols)
+        steps = self.defaults["ns_steps"]
+        if self.ns_method == "gram" and m < n:
+            return 4 * m * m * n + 4 * steps * m**3
+        return steps * (2 * m * m * n + m**3)
+
+    def matrix_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The first dimension by the others; "gram" takes a 3-D parameter
+        as a batch of matrices, as DeepSpeed's Muon does. (DeepSpeed 0.19.8
+        fails on a 4-D one: its update's last torch.where broadcasts the 2-D
+        direction against the 4-D gradient.)"""
+        return t if self.ns_method == "gram" and t.dim() == 3 else super().matrix_view(t)
+
     def premix(self, grad: torch.Tensor, state: dict[str, Any], group: dict) -> torch.Tensor:
         buf = state.get("momentum_buffer")
         if buf is None:
@@ -177,9 +196,9 @@ class Muon(MatrixOptimizer):
     def direction(self, matrix: torch.Tensor, state: dict[str, Any], group: dict) -> torch.Tensor:
         if self.ns_method == "standard":
             return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        # DeepSpeed scales the fp16 direction for the shape, not the step size.
+        # DeepSpeed scales the fp16 direction for each matrix's shape, not the step size.
         orthogonal = gram_newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        return orthogonal.mul_(adjusted_lr(1.0, "original", matrix.shape)).float()
+        return orthogonal.mul_(adjusted_lr(1.0, "original", matrix.shape[-2:])).float()
 
     def apply_(self, param: torch.Tensor, direction: torch.Tensor, group: dict, shape: torch.Size) -> None:
         lr = float(group["lr"])

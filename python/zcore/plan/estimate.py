@@ -204,8 +204,8 @@ class Planner:
         table = _Table()
         layout = Layout.of(self.model, policies, cfg, precision)
         _parameters(layout, policies, cfg.zero_optimization.stage3_param_persistence_threshold, table)
-        _gradients(layout, policies, self.device, table)
-        _optimizer_states(layout, policies.offload, self.host_available, table)
+        _gradients(layout, policies, self.device, precision, table)
+        _optimizer_states(layout, policies.offload, self.host_available, precision, table)
         if cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_ADAMS:
             _compressed_states(layout, cfg.optimizer.type, world_size, table)
             notes.append(f"optimizer states: {cfg.optimizer.type}'s error feedback included, which it holds from "
@@ -437,11 +437,13 @@ def _parameters(layout: Layout, policies: Policies, threshold: int, table: _Tabl
             table.add("parameters", TIER_NAMES[tier], shard)
 
 
-def _gradients(layout: Layout, policies: Policies, device: torch.device, table: _Table) -> None:
+def _gradients(
+    layout: Layout, policies: Policies, device: torch.device, precision: MixedPrecision, table: _Table
+) -> None:
     """fp32, on the device: stages 0-1 a full-size accumulator per unit
     (stage 1 plus the reduced shard); stages 2-3 the shard only, on NVMe
     with an NVMe optimizer. An optimizer on the host, with a GPU computing,
-    keeps fp32 host copies of the shards beside it."""
+    keeps host copies of the shards beside it, in the master's dtype."""
     stage, offload = policies.stage, policies.offload
     trained = layout.trained
     shards = FP32 * sum(u.shard_numel for u in trained)
@@ -453,19 +455,23 @@ def _gradients(layout: Layout, policies: Policies, device: torch.device, table: 
     else:
         table.add("gradients", DEVICE, shards)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
-        table.add("gradients", HOST, shards)
+        table.add("gradients", HOST, precision.master_dtype.itemsize * sum(u.shard_numel for u in trained))
 
 
-def _optimizer_states(layout: Layout, offload: OffloadPolicy, host_available: int, table: _Table) -> None:
-    """The fp32 master shard (padding included) and Adam's two moments of
-    its trained elements, on offload_optimizer's tier; on NVMe, the
+def _optimizer_states(
+    layout: Layout, offload: OffloadPolicy, host_available: int, precision: MixedPrecision, table: _Table
+) -> None:
+    """The master shard (padding included) and Adam's two moments of its
+    trained elements, in their dtypes (fp32, or bf16: bf16 master weights
+    and optimizer states), on offload_optimizer's tier; on NVMe, the
     sub-groups' extents in the swap file."""
     trained = layout.trained
     if offload.optimizer is Tier.NVME:
-        table.add("optimizer_states", NVME, optimizer_swap_capacity(_sub_groups(trained, offload, host_available)))
+        sub_groups = _sub_groups(trained, offload, host_available, precision.master_dtype.itemsize)
+        table.add("optimizer_states", NVME, optimizer_swap_capacity(sub_groups))
         return
-    master = FP32 * sum(u.shard_numel for u in trained)
-    moments = ADAM_MOMENTS * FP32 * sum(u.trained_elements for u in trained)
+    master = precision.master_dtype.itemsize * sum(u.shard_numel for u in trained)
+    moments = ADAM_MOMENTS * precision.state_dtype.itemsize * sum(u.trained_elements for u in trained)
     table.add("optimizer_states", TIER_NAMES[offload.optimizer], master + moments)
 
 
@@ -482,13 +488,15 @@ def _compressed_states(layout: Layout, kind: str, world_size: int, table: _Table
     table.add("optimizer_states", DEVICE, errors + synchronised)
 
 
-def _sub_groups(trained: list[Shard], offload: OffloadPolicy, host_available: int) -> list:
-    """zcore.initialize's sub-groups of the NVMe optimizer's states."""
+def _sub_groups(trained: list[Shard], offload: OffloadPolicy, host_available: int, element_size: int) -> list:
+    """zcore.initialize's sub-groups of the NVMe optimizer's states
+    (``element_size``: of the master and the moments)."""
     total = sum(u.trained_elements for u in trained)
     size = sub_group_elements(
-        total, offload.optimizer_buffers, offload.sub_group_size, offload.sub_group_size_set, host_available
+        total, offload.optimizer_buffers, offload.sub_group_size, offload.sub_group_size_set, host_available,
+        element_size,
     )
-    return plan_sub_groups(trained, size)
+    return plan_sub_groups(trained, size, element_size)
 
 
 # Working memory: what memory_report leaves out.
@@ -505,7 +513,7 @@ def _working_memory(
     if policies.stage.shards_parameters:
         _stage3_buffers(layout, policies, coordinator_config(cfg.zero_optimization), device, table)
     if policies.offload.optimizer is Tier.NVME:
-        _optimizer_swap_pools(layout, policies, host_available, table)
+        _optimizer_swap_pools(layout, policies, host_available, precision.master_dtype.itemsize, table)
 
 
 def _checkpoint_copy(layout: Layout, buffer_bytes: int) -> int:
@@ -572,12 +580,15 @@ def _stage3_buffers(
         table.add("staging_buffers", DEVICE, min(staging, offloaded))
 
 
-def _optimizer_swap_pools(layout: Layout, policies: Policies, host_available: int, table: _Table) -> None:
+def _optimizer_swap_pools(
+    layout: Layout, policies: Policies, host_available: int, element_size: int, table: _Table
+) -> None:
     """Host pools of the NVMe optimizer (zcore.initialize): buffer_count
-    sub-groups, and (stages 2-3) three unit-sized gradient shards; the
-    pools allocate as they are used, so never more buffers than keys."""
+    sub-groups (``element_size``: of their master and moments), and (stages
+    2-3) three unit-sized gradient shards; the pools allocate as they are
+    used, so never more buffers than keys."""
     offload, trained = policies.offload, layout.trained
-    subs = _sub_groups(trained, offload, host_available)
+    subs = _sub_groups(trained, offload, host_available, element_size)
     biggest = max((s.nbytes for s in subs), default=PAGE_ALIGNMENT)
     table.add("staging_buffers", HOST, min(offload.optimizer_buffers, len(subs)) * (biggest + PAGE_ALIGNMENT))
     if policies.stage.reduce_scatters_every_micro_step and layout.groups_known:

@@ -41,7 +41,7 @@ import torch
 from zcore.comm import collectives as comm
 from zcore.comm.topology import RankGroup
 from zcore.errors import CheckpointError, ConfigError, InvalidStateError
-from zcore.optim.matrix_optimizer import MatrixAndElementwise, as_matrix
+from zcore.optim.matrix_optimizer import MatrixAndElementwise
 from zcore.step.sharded_optimizer import FusedCpuUpdate, MasterShards, TorchUpdate, UnitShards
 from zcore.step.units import Unit
 
@@ -144,7 +144,7 @@ class MatrixStep:
         whole = self._to_owners(stepping, owned, mine, exchange)
         directions = {}
         for m in owned:
-            matrix = as_matrix(whole[m.index].view(m.shape))
+            matrix = rule.matrix_view(whole[m.index].view(m.shape))
             direction = rule.direction(matrix, self.whole_states.setdefault(m.index, {}), groups[m.group])
             if direction.dtype != exchange or direction.shape != matrix.shape:
                 raise InvalidStateError(
@@ -252,10 +252,7 @@ class MatrixUpdate:
 
     def apply(self, coefficient: float) -> None:
         e = self.elementwise
-        if coefficient != 1.0:
-            grads = e.host_grads or [e.reducer.grad_shard(u) for u in range(len(e.master.units))]
-            for g in grads:
-                g.mul_(coefficient)
+        e.scale_grads(coefficient)
         with torch.no_grad():
             self.matrix.step(self._used)
         if isinstance(e, FusedCpuUpdate) and e.fused_copy:

@@ -208,6 +208,7 @@ def build_optimizer(
         _check_compressed(optimizer, cfg, offload)
         _check_elementwise(optimizer, cfg)
         _check_swappable(optimizer, offload)
+        _take_state_dtype(optimizer, cfg, offload)
         # Re-point the user's optimizer (so schedulers built on it keep working).
         for group, new in zip(optimizer.param_groups, piece_groups):
             group["params"] = new["params"]
@@ -226,6 +227,7 @@ def build_optimizer(
         _check_compressed(built, cfg, offload)
         _check_elementwise(built, cfg)
         _check_swappable(built, offload)
+        _take_state_dtype(built, cfg, offload)
         return built
     if cfg.optimizer is None:
         raise ConfigError(
@@ -239,6 +241,7 @@ def build_optimizer(
     if isinstance(cfg.optimizer, MuonConfig):
         built = _muon_and_adamw(piece_groups, groups.matrix_groups, cfg.optimizer.params.ns_method, offload)
         _check_swappable(built, offload)
+        _take_state_dtype(built, cfg, offload)
         return built
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
@@ -250,12 +253,15 @@ def build_optimizer(
         )
     if offload.optimizer is not Tier.DEVICE and not p.torch_adam:
         # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
-        return CPUAdam(
+        built = CPUAdam(
             piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
             decoupled_weight_decay=decoupled,
         )
-    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
-    return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+    else:
+        kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+        built = kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+    _take_state_dtype(built, cfg, offload)
+    return built
 
 
 def _muon_and_adamw(
@@ -342,6 +348,41 @@ def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -
             f"zero_optimization.offload_optimizer.device = 'nvme' steps the states on disk with "
             f"zcore's fused CPU Adam, not {type(optimizer).__name__}: pass zcore.optim.CPUAdam or "
             "CPUAdamW (or configure an 'optimizer' section of type Adam or AdamW)"
+        )
+
+
+def _take_state_dtype(optimizer: torch.optim.Optimizer, cfg: Config, offload: OffloadPolicy) -> None:
+    """The optimizer's moments in the dtype the config asks
+    (bf16.bf16_optimizer_states): zcore's CPUAdam keeps any; a torch
+    optimizer keeps its states in its parameters' (the master's) dtype, so
+    bf16 master weights beside fp32 moments need CPUAdam, as in DeepSpeed."""
+    bf16 = cfg.bf16
+    states = torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32
+    if isinstance(optimizer, MatrixAndElementwise):
+        parts: list[torch.optim.Optimizer] = [optimizer.matrix]
+        parts += [optimizer.elementwise] if optimizer.elementwise is not None else []
+        for part in parts:
+            _take_state_dtype(part, cfg, offload)
+        return
+    if isinstance(optimizer, CPUAdam):
+        if optimizer.state_dtype is not None and optimizer.state_dtype != states:
+            raise ConfigError(
+                f"the CPUAdam passed to zcore.initialize keeps its moments in {optimizer.state_dtype}, but "
+                f"bf16.bf16_optimizer_states = {bf16.bf16_optimizer_states} asks for {states}: build it with "
+                f"state_dtype={states} (or None), or change the config"
+            )
+        optimizer.state_dtype = states
+        return
+    if bf16.bf16_master_weights_and_grads and not bf16.bf16_optimizer_states:
+        where = (
+            "set zero_optimization.offload_optimizer.device to 'cpu' (zcore's CPU Adam keeps fp32 moments beside "
+            "bf16 weights)" if offload.optimizer is Tier.DEVICE and not isinstance(optimizer, MatrixAndElementwise)
+            else "use an Adam or AdamW optimizer section, which steps with zcore's CPU Adam"
+        )
+        raise ConfigError(
+            f"bf16.bf16_master_weights_and_grads without bf16_optimizer_states keeps fp32 moments beside bf16 "
+            f"master weights, but {type(optimizer).__name__} keeps its states in its parameters' dtype (bf16): set "
+            f"bf16.bf16_optimizer_states to true, or {where}"
         )
 
 

@@ -2,8 +2,9 @@
 
 A policy object per precision (not flags): ``MixedPrecision`` names the dtype
 parameters compute in and the dtype gradients are reduced in; its
-``scaler`` decides the loss scale and reacts to overflow. The fp32 master
-weights and optimizer states always stay fp32.
+``scaler`` decides the loss scale and reacts to overflow; and it names the
+dtypes of the master weights and of the optimizer's moments: fp32, or bf16
+where bf16.bf16_master_weights_and_grads and bf16_optimizer_states ask.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class MixedPrecision:
     reduce_dtype: torch.dtype
     scaler: LossScaler
     cast_buffers: bool = False  # floating-point buffers to compute_dtype too
+    master_dtype: torch.dtype = torch.float32  # the master weights and the gradients their optimizer takes
+    state_dtype: torch.dtype = torch.float32  # the optimizer's moments
 
 
 def precision_from_config(config: Config) -> MixedPrecision:
@@ -152,4 +155,9 @@ def precision_from_config(config: Config) -> MixedPrecision:
     # Gradients are reduced in fp32 unless the config asks otherwise: summing
     # low-precision gradients over many ranks loses bits or overflows.
     reduce = _DTYPES[config.communication_data_type or "fp32"]
-    return MixedPrecision(compute_dtype=compute, reduce_dtype=reduce, scaler=scaler, cast_buffers=cast_buffers)
+    bf16 = config.bf16
+    return MixedPrecision(
+        compute_dtype=compute, reduce_dtype=reduce, scaler=scaler, cast_buffers=cast_buffers,
+        master_dtype=torch.bfloat16 if bf16.bf16_master_weights_and_grads else torch.float32,
+        state_dtype=torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+    )

@@ -51,14 +51,17 @@ def pieces_by_param(units: list[Unit], pieces: list[list[torch.nn.Parameter]]) -
 
 
 class MasterShards:
-    """fp32 master copies of this rank's shards and the pieces viewing them."""
+    """Master copies of this rank's shards (fp32, or bf16: DeepSpeed's
+    bf16_master_weights_and_grads) and the pieces viewing them."""
 
-    def __init__(self, units: list[Unit], device: torch.device, pin_memory: bool = False) -> None:
+    def __init__(
+        self, units: list[Unit], device: torch.device, pin_memory: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
         """Zero until ``take`` gives each unit's values."""
         self.units = units
         # Offloaded shards: page-locked for fast copies to and from the GPU.
         self.shards = [
-            torch.zeros(u.shard_numel, dtype=torch.float32, device=device, pin_memory=pin_memory) for u in units
+            torch.zeros(u.shard_numel, dtype=dtype, device=device, pin_memory=pin_memory) for u in units
         ]
         # pieces[u][k] views self.shards[u] for units[u].pieces[k].
         self.pieces = [
@@ -128,10 +131,14 @@ class TorchUpdate:
         self.reducer = reducer
         self.shards = shards
         offloaded = any(s.device != u.device for s, u in zip(master.shards, master.units))
-        # Offloaded masters need their gradients beside them.
+        # Offloaded masters need their gradients beside them, in their dtype
+        # (torch gives a parameter gradients of its own dtype).
         self.host_grads = (
             [torch.empty_like(s) for s in master.shards] if offloaded else None
         )
+        # Per unit while attached: the gradient shard, and what the pieces
+        # view (the same, or its cast: bf16 masters in device memory).
+        self.grads: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grad_source(self, unit: int) -> torch.Tensor:
         shard = self.reducer.grad_shard(unit)
@@ -144,8 +151,12 @@ class TorchUpdate:
         parameters that got one. A parameter that got no gradient on any
         rank keeps grad None, so the optimizer skips it (no decay, no moment
         update), as torch.optim does."""
+        self.grads = []
         for u, unit in enumerate(self.master.units):
-            shard = self.grad_source(u)
+            source = self.grad_source(u)
+            dtype = self.master.shards[u].dtype
+            shard = source if source.dtype == dtype else torch.empty_like(source, dtype=dtype)
+            self.grads.append((source, shard))
             flags = used[u].tolist()  # indexing the tensor costs microseconds per piece
             for meta, piece in zip(unit.pieces, self.master.pieces[u]):
                 if flags[meta.param_index]:
@@ -153,7 +164,17 @@ class TorchUpdate:
                 else:
                     piece.grad = None
 
+    def scale_grads(self, coefficient: float) -> None:
+        """The attached gradients times ``coefficient``; a cast one is
+        scaled in its source's precision and rounded once."""
+        for source, shard in self.grads:
+            if shard is not source:
+                torch.mul(source, coefficient, out=shard)
+            elif coefficient != 1.0:
+                shard.mul_(coefficient)
+
     def detach_grads(self) -> None:
+        self.grads = []
         for pieces in self.master.pieces:
             for piece in pieces:
                 piece.grad = None
@@ -167,7 +188,7 @@ class TorchUpdate:
         return None
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state in memory: fp32 master plus the inner
+        """Bytes of optimizer state in memory: the master plus the inner
         optimizer's state tensors."""
         total = sum(s.numel() * s.element_size() for s in self.master.shards)
         for state in self.inner.state.values():
@@ -177,10 +198,7 @@ class TorchUpdate:
         return total
 
     def apply(self, coefficient: float) -> None:
-        if coefficient != 1.0:
-            grads = self.host_grads or [self.reducer.grad_shard(u) for u in range(len(self.master.units))]
-            for g in grads:
-                g.mul_(coefficient)
+        self.scale_grads(coefficient)
         self.inner.step()
         for unit, shard in zip(self.master.units, self.master.shards):
             self.shards.write(unit, shard)
@@ -211,6 +229,9 @@ class FusedCpuUpdate(TorchUpdate):
         if not self.fused_copy:
             super().apply(coefficient)
             return
+        if any(shard is not source for source, shard in self.grads):
+            self.scale_grads(coefficient)  # bf16 masters beside their gradients: cast once, scaled
+            coefficient = 1.0
         self.inner.fused_step(grad_scale=coefficient, params_out=self.outs)
         for unit, staging, in_place in zip(self.master.units, self.staging, self.in_place):
             if not in_place:

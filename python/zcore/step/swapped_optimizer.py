@@ -1,10 +1,11 @@
 """Optimizer states on NVMe (``offload_optimizer.device = "nvme"``).
 
-The fp32 master shards and Adam's two moments of every unit on this rank
+The master shards and Adam's two moments of every unit on this rank
 form one flat range of elements, cut into sub-groups of at most
 ``sub_group_size`` elements (a sub-group may hold the ends of several units,
 and a large unit spans several sub-groups). Each sub-group is one swap key
-whose bytes are ``[master | exp_avg | exp_avg_sq]`` in fp32. A step streams
+whose bytes are ``[master | exp_avg | exp_avg_sq]`` in one dtype: fp32, or
+bf16 with bf16 master weights and optimizer states. A step streams
 the sub-groups through host memory: the next one is read while this one is
 stepped by zcore's fused CPU Adam, and the previous one is written back
 meanwhile, so host memory holds about three sub-groups whatever the model's
@@ -60,24 +61,25 @@ class SubGroup:
     numel: int
     runs: list[Run] = field(default_factory=list)
     finishes: list[int] = field(default_factory=list)  # units whose last elements are here
+    element_size: int = FP32_BYTES  # of the master and the moments
 
     @property
     def nbytes(self) -> int:
-        return STATES * self.numel * FP32_BYTES
+        return STATES * self.numel * self.element_size
 
 
-def plan_sub_groups(units: list[Unit], size: int) -> list[SubGroup]:
+def plan_sub_groups(units: list[Unit], size: int, element_size: int = FP32_BYTES) -> list[SubGroup]:
     """The units' pieces laid end to end and cut every ``size`` elements.
     Elements no piece covers (a unit's padding) are not stored."""
     groups: list[SubGroup] = []
-    current = SubGroup(0, 0)
+    current = SubGroup(0, 0, element_size=element_size)
     for u, unit in enumerate(units):
         for k, meta in enumerate(unit.pieces):
             start, left = meta.shard_start, meta.numel
             while left > 0:
                 if current.numel == size:
                     groups.append(current)
-                    current = SubGroup(len(groups), 0)
+                    current = SubGroup(len(groups), 0, element_size=element_size)
                 take = min(left, size - current.numel)
                 current.runs.append(Run(u, k, start, current.numel, take))
                 current.numel += take
@@ -96,18 +98,21 @@ class SwappedMaster:
 
     def __init__(
         self, units: list[Unit], sub_groups: list[SubGroup], open_swap: Callable[[], SwapManager],
-        read_ahead: bool = True,
+        read_ahead: bool = True, dtype: torch.dtype = torch.float32,
     ) -> None:
         """``open_swap()``: a new, empty swap file for the sub-groups.
         ``read_ahead``: whether reading the states may hold two sub-groups
-        (offload_optimizer.pipeline_read, which the host buffers are sized for)."""
+        (offload_optimizer.pipeline_read, which the host buffers are sized for).
+        ``dtype``: of the master and the moments."""
         self.units = units
+        self.dtype = dtype
         self.read_ahead = read_ahead
         self._open_swap = open_swap
         self.swap = open_swap()
         self.sub_groups = sub_groups
         self.pieces = [
-            [torch.nn.Parameter(torch.empty(p.numel, device="meta")) for p in unit.pieces] for unit in units
+            [torch.nn.Parameter(torch.empty(p.numel, dtype=dtype, device="meta")) for p in unit.pieces]
+            for unit in units
         ]
         self._filling = 0  # the first sub-group not yet written by take()
         self._buffer: Optional[torch.Tensor] = None
@@ -120,7 +125,7 @@ class SwappedMaster:
 
     def read_pieces(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(unit, piece, states)`` for every piece in order, ``states`` its
-        [master, exp_avg, exp_avg_sq] as a [3, numel] fp32 tensor, valid
+        [master, exp_avg, exp_avg_sq] as a [3, numel] tensor of ``dtype``, valid
         until the next item. Host memory: the sub-groups being read, and a
         piece that spans several of them."""
         subs = {s.key: s for s in self.sub_groups if s.numel > 0}
@@ -136,7 +141,7 @@ class SwappedMaster:
                     # the next sub-group is read.
                     yield run.unit, run.piece, part.clone()
                     continue
-                whole = partial.setdefault((run.unit, run.piece), torch.empty(STATES, meta.numel))
+                whole = partial.setdefault((run.unit, run.piece), torch.empty(STATES, meta.numel, dtype=self.dtype))
                 start = run.unit_start - meta.shard_start
                 whole[:, start : start + run.numel].copy_(part)
                 if start + run.numel == meta.numel:
@@ -145,12 +150,12 @@ class SwappedMaster:
 
     def read_units(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(unit, master)`` for every unit in order (as collectives need
-        them on every rank): its fp32 master shard, zero where no piece is.
+        them on every rank): its master shard, zero where no piece is.
         Host memory: one unit's shard more than ``read_pieces``."""
         pieces = self.read_pieces()
         pending = next(pieces, None)
         for u, unit in enumerate(self.units):
-            shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
+            shard = torch.zeros(unit.shard_numel, dtype=self.dtype)
             while pending is not None and pending[0] == u:
                 meta = unit.pieces[pending[1]]
                 shard[meta.shard_start : meta.shard_start + meta.numel].copy_(pending[2][0])
@@ -164,7 +169,7 @@ class SwappedMaster:
         keep_moments: bool = False,
     ) -> SwapManager:
         """A new swap file holding every sub-group as ``values(unit, piece,
-        lo, hi)`` gives it: [3, hi - lo] fp32, the master, exp_avg and
+        lo, hi)`` gives it: [3, hi - lo] of ``dtype``, the master, exp_avg and
         exp_avg_sq of elements [lo, hi) of the piece. Each unit's
         compute-dtype shard goes to ``unit_shard(unit, shard)`` once
         complete; with ``keep_moments`` only the master comes from
@@ -178,7 +183,7 @@ class SwappedMaster:
             for sub in self.sub_groups:
                 if sub.numel == 0:
                     continue
-                states = torch.empty(STATES, sub.numel, dtype=torch.float32)
+                states = torch.empty(STATES, sub.numel, dtype=self.dtype)
                 if keep_moments:
                     current = self.swap.swap_in(sub.key)
                     self.swap.wait(sub.key)
@@ -237,7 +242,7 @@ class SwappedMaster:
                 self._filling += 1
                 continue
             if self._buffer is None:
-                self._buffer = torch.zeros(STATES, sub.numel, dtype=torch.float32)
+                self._buffer = torch.zeros(STATES, sub.numel, dtype=self.dtype)
             for run in sub.runs:
                 if run.unit == unit:
                     self._buffer[0, run.offset : run.offset + run.numel].copy_(
@@ -425,18 +430,21 @@ MIN_SUB_GROUPS = 8
 MIN_SUB_GROUP = 1 << 20
 
 
-def sub_group_elements(total: int, buffers: int, size: int, size_set: bool, available: int) -> int:
+def sub_group_elements(
+    total: int, buffers: int, size: int, size_set: bool, available: int, element_size: int = FP32_BYTES
+) -> int:
     """Elements per sub-group for ``total`` optimizer elements on this rank:
     ``size`` (zero_optimization.sub_group_size) when set, if ``buffers``
     sub-groups fit in ``available`` host bytes (else a ConfigError naming the
     size that fits); by default, an eighth of the states (MIN_SUB_GROUPS),
-    within the default host budget."""
-    per_element = buffers * STATES * FP32_BYTES
+    within the default host budget. ``element_size``: of the master and the
+    moments."""
+    per_element = buffers * STATES * element_size
     if size_set:
-        if buffers * min(size, total) * STATES * FP32_BYTES > available:
+        if buffers * min(size, total) * STATES * element_size > available:
             raise ConfigError(
                 f"zero_optimization.sub_group_size = {size} with offload_optimizer.buffer_count = "
-                f"{buffers} needs {buffers} host buffers of {STATES * FP32_BYTES} bytes per element "
+                f"{buffers} needs {buffers} host buffers of {STATES * element_size} bytes per element "
                 f"({per_element * min(size, total)} bytes), more than the {available} bytes this "
                 f"host has available: set sub_group_size to at most {available // per_element}"
             )

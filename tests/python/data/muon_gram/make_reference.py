@@ -8,10 +8,13 @@ from the repository root, outside zcore's environment:
     DS_BUILD_OPS=0 /tmp/venv-ds/bin/pip install deepspeed==0.19.8
     DS_ACCELERATOR=cpu /tmp/venv-ds/bin/python tests/python/data/muon_gram/make_reference.py
 
-On a tall, a wide and a square fp32 matrix: the iteration's output
-(zeropower_via_gram_newtonschulz, 5 steps; fp16 where the CPU has fp16
-matmuls, as ns_compute_dtype says), and the parameters after each of two
-steps of DeepSpeed's SingleDeviceMuon from stored parameters and gradients.
+On a tall, a wide and a square fp32 matrix, and a 3-D parameter (which
+DeepSpeed's Muon orthogonalises as a batch of matrices): the iteration's
+output (zeropower_via_gram_newtonschulz, 5 steps; fp16 where the CPU has
+fp16 matmuls, as ns_compute_dtype says), and the parameters after each of
+two steps of DeepSpeed's SingleDeviceMuon from stored parameters and
+gradients. (A 4-D parameter fails in DeepSpeed 0.19.8's muon_update: its
+final torch.where broadcasts the 2-D update against the 4-D gradient.)
 Each twice: "compiled", as DeepSpeed ships them (under torch.compile), and
 "eager", the same functions with torch.compile disabled, whose operations
 are those written in the source, one rounding each. A probe (an fp16 matmul
@@ -28,7 +31,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     SingleDeviceMuon, ns_compute_dtype, zeropower_via_gram_newtonschulz,
 )
 
-SHAPES = {"tall": (64, 16), "wide": (24, 72), "square": (32, 32)}
+SHAPES = {"tall": (64, 16), "wide": (24, 72), "square": (32, 32), "batch": (3, 12, 40)}
 NS_STEPS = 5
 HYPER = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 STEPS = 2
