@@ -74,6 +74,26 @@ def test_multi_tensor_step_equals_the_cpu_kernel_bit_for_bit(
 
 @pytest.mark.cuda
 @needs_gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_master_weights_and_moments_equal_the_cpu_kernel_bit_for_bit(state_dtype: torch.dtype) -> None:
+    """bf16 master weights (and moments): upcast, stepped in fp32, rounded once, on either device."""
+    params, exp_avgs, exp_avg_sqs = random_state(SIZES, seed=3)
+    params = [p.bfloat16() for p in params]
+    exp_avgs = [m.to(state_dtype) for m in exp_avgs]
+    exp_avg_sqs = [v.to(state_dtype) for v in exp_avg_sqs]
+    grads = [torch.randn(n).bfloat16() for n in SIZES]
+    dev = [[t.cuda() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+    for step in (1, 2, 3):
+        zo.adam_step(ADAMW, step, params, grads, exp_avgs, exp_avg_sqs, grad_scale=0.5)
+        zo.adam_step(ADAMW, step, *dev, grad_scale=0.5)
+    torch.cuda.synchronize()
+    for cpu, gpu in ((params, dev[0]), (exp_avgs, dev[2]), (exp_avg_sqs, dev[3])):
+        for a, b in zip(cpu, gpu):
+            assert b.dtype == a.dtype and torch.equal(a, b.cpu())
+
+
+@pytest.mark.cuda
+@needs_gpu
 def test_multi_tensor_step_matches_torch_fused_adamw() -> None:
     params, _, _ = random_state(SIZES)
     ours = [p.cuda() for p in params]
