@@ -8,6 +8,8 @@ whole-matrix states, which checkpoints do not hold yet.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import pytest
@@ -154,3 +156,39 @@ def test_shampoo_matches_single_process(world, tmp_path):
             for name, value in got["params"].items():
                 assert torch.equal(value, want[name]), f"{tag}: {name} off by {(value - want[name]).abs().max()}"
             assert got["refused"] is not None and "Shampoo keeps a state of each whole matrix" in got["refused"], tag
+
+
+class Momentum(Shampoo):
+    """Shampoo on a momentum it keeps per element without declaring it."""
+
+    keeps_whole_state = False
+
+    def premix(self, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        buf = state.setdefault("momentum", torch.zeros_like(grad))
+        return buf.mul_(0.9).add_(grad)
+
+
+def on_nvme(rank: int, world: int, swap: str, pair: str) -> str:
+    model = make_model("gpt")
+    matrices, others = split(model)
+    elementwise = torch.optim.AdamW(others) if pair == "torch" else zcore.optim.CPUAdamW(others)
+    config = {"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": swap}}}
+    try:
+        engine, *_ = zcore.initialize(model=model, config=config, optimizer=(Momentum(matrices), elementwise))
+        x, y = global_batch("gpt", 0, 8)
+        engine.backward(loss_of("gpt", forward("gpt", engine, x, 0, rank), y))
+        engine.step()
+    except (zcore.ConfigError, zcore.InvalidStateError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "stepped"
+
+
+@pytest.mark.parametrize("pair, match", [
+    ("torch", "ConfigError: .*'nvme' steps the states on disk with zcore's fused CPU Adam, not AdamW"),
+    ("zcore", r"InvalidStateError: Momentum.premix keeps the per-element states \['momentum'\], but its "
+              r"state_keys declare \[\]"),
+])
+def test_what_nvme_cannot_hold_is_refused_naming_it(pair, match, tmp_path):
+    (message,) = run_ranks(on_nvme, 1, str(tmp_path), pair, timeout=120)
+    assert re.search(match, message), message

@@ -3,12 +3,12 @@ process running torch.optim.Muon on the matrices and torch.optim.AdamW on
 the other parameters, DeepSpeed's split, over the same global batches: the
 loss at every step and the final parameters within 1e-5 relative over 20
 steps, at stages 1, 2 and 3, with accumulation, clipping and bf16, the
-optimizer on the device (the CPU here) and on the host; configured as
+optimizer on the device (the CPU here), on the host and on NVMe; configured as
 DeepSpeed configures it, or passed as a torch Muon and AdamW over the
 user's own split. The bytes each rank sends per step are those of the
 formula (note "matrix bytes" in zcore.step.matrix_step), counted by the
 counting process group. Checkpoints resume bit-exact and reload at another
-world size.
+world size, from and to states on NVMe too.
 
 One spawn of ranks per world size runs every scenario of that world.
 """
@@ -33,6 +33,7 @@ from zcore.comm import counting_group
 from zcore.errors import InvalidArgumentError
 from zcore.optim.muon import Muon
 from zcore.step.matrix_step import assign_owners
+from zcore.step.swapped_optimizer import SwappedMaster
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -47,9 +48,12 @@ def batch_of(world: int) -> int:
 
 
 def muon_config(
-    stage: int, gas: int, clip: float, precision: str = "fp32", offload: bool = False, batch: int = GLOBAL_BATCH,
-    **zero,
+    stage: int, gas: int, clip: float, precision: str = "fp32", tier: str = "none", batch: int = GLOBAL_BATCH,
+    swap: Optional[str] = None, **zero,
 ) -> dict:
+    """``tier``: where the optimizer's states live, "none" (the device),
+    "cpu" or "nvme" (under ``swap``)."""
+    offload = {"device": tier} if tier != "nvme" else {"device": "nvme", "nvme_path": swap}
     config = {
         "train_batch_size": batch,
         "gradient_accumulation_steps": gas,
@@ -60,7 +64,7 @@ def muon_config(
         }},
         "zero_optimization": {
             "stage": stage, "reduce_bucket_size": BUCKET,
-            "offload_optimizer": {"device": "cpu" if offload else "none"}, **zero,
+            "offload_optimizer": offload, **zero,
         },
     }
     if precision == "bf16":
@@ -217,44 +221,56 @@ def train(rank: int, world: int, model_name: str, config: dict, steps: int, pair
             "optimizer": type(engine.optimizer.inner).__name__}
 
 
-# (label, model, stage, accumulation, clipping, precision, optimizer on the host, passed as a pair)
+# (label, model, stage, accumulation, clipping, precision, where the states live, passed as a pair)
 SCENARIOS = {
     1: [
-        ("stage 1 fp32", "gpt", 1, 2, 0.05, "fp32", False, False),
-        ("stage 3 bf16 host", "gpt", 3, 1, 0.05, "bf16", True, False),
+        ("stage 1 fp32", "gpt", 1, 2, 0.05, "fp32", "none", False),
+        ("stage 3 bf16 host", "gpt", 3, 1, 0.05, "bf16", "cpu", False),
+        ("stage 3 bf16 nvme", "gpt", 3, 1, 0.05, "bf16", "nvme", False),
     ],
     2: [
-        ("stage 1 fp32 accumulate clip", "gpt", 1, 2, 0.05, "fp32", False, False),
-        ("stage 2 bf16 clip", "gpt", 2, 1, 0.05, "bf16", False, False),
-        ("stage 2 host pair", "gpt", 2, 2, 0.0, "fp32", True, True),
-        ("stage 3 fp32 accumulate clip", "gpt", 3, 2, 0.05, "fp32", False, False),
-        ("stage 3 bf16 host", "gpt", 3, 1, 0.0, "bf16", True, False),
+        ("stage 1 fp32 accumulate clip", "gpt", 1, 2, 0.05, "fp32", "none", False),
+        ("stage 2 bf16 clip", "gpt", 2, 1, 0.05, "bf16", "none", False),
+        ("stage 2 host pair", "gpt", 2, 2, 0.0, "fp32", "cpu", True),
+        ("stage 3 fp32 accumulate clip", "gpt", 3, 2, 0.05, "fp32", "none", False),
+        ("stage 3 bf16 host", "gpt", 3, 1, 0.0, "bf16", "cpu", False),
+        ("stage 3 bf16 nvme", "gpt", 3, 1, 0.0, "bf16", "nvme", False),
+        ("stage 2 bf16 nvme accumulate clip", "gpt", 2, 2, 0.05, "bf16", "nvme", False),
     ],
     3: [
-        ("stage 2 fp32 clip", "gpt", 2, 1, 0.05, "fp32", False, False),
-        ("stage 3 host pair", "gpt", 3, 2, 0.05, "fp32", True, True),
+        ("stage 2 fp32 clip", "gpt", 2, 1, 0.05, "fp32", "none", False),
+        ("stage 3 host pair", "gpt", 3, 2, 0.05, "fp32", "cpu", True),
+        ("stage 3 bf16 nvme clip", "gpt", 3, 1, 0.05, "bf16", "nvme", False),
     ],
     4: [
-        ("stage 3 bf16 accumulate clip", "gpt", 3, 2, 0.05, "bf16", False, False),
+        ("stage 3 bf16 accumulate clip", "gpt", 3, 2, 0.05, "bf16", "none", False),
     ],
 }
 
 
 def run_world(rank: int, world: int, checkpoints: str) -> dict:
     counting_group.init_process_group()
+    swap = f"{checkpoints}/swap{world}"
     out = {}
-    for label, model, stage, gas, clip, precision, host, pair in SCENARIOS[world]:
-        config = muon_config(stage, gas, clip, precision, host, batch_of(world))
+    for label, model, stage, gas, clip, precision, tier, pair in SCENARIOS[world]:
+        config = muon_config(stage, gas, clip, precision, tier, batch_of(world), swap=swap)
         out[label] = train(rank, world, model, config, STEPS, pair=pair, count_from=1)
     if world == 2:
-        out["checkpoint"] = save_and_resume(rank, world, checkpoints)
+        out["checkpoint"] = save_and_resume(rank, world, muon_config(2, 2, 0.05, tier="cpu"), checkpoints, "muon")
+        nvme = muon_config(3, 2, 0.05, tier="nvme", swap=swap)
+        out["checkpoint nvme"] = save_and_resume(rank, world, nvme, checkpoints, "muon-nvme")
     if world == 3:
-        out["reloaded"] = reload(rank, world, checkpoints)
+        batch = batch_of(world)
+        out["reloaded"] = reload(rank, muon_config(3, 1, 0.05, batch=batch), checkpoints, "muon")
+        nvme = muon_config(2, 1, 0.05, tier="nvme", batch=batch, swap=swap)
+        out["reloaded on nvme"] = reload(rank, nvme, checkpoints, "muon")
+        out["reloaded from nvme"] = reload(rank, muon_config(1, 1, 0.05, batch=batch), checkpoints, "muon-nvme")
     return out
 
 
-# Checkpoints: saved at world 2 after SAVED_AT steps (stage 2, on the host),
-# resumed there, reloaded at world 3 (stage 3, on the device).
+# Checkpoints: saved at world 2 after SAVED_AT steps (stage 2 on the host,
+# and stage 3 on NVMe), resumed there, reloaded at world 3 (on the device,
+# and on NVMe).
 SAVED_AT = 10
 
 
@@ -269,15 +285,24 @@ def _steps(engine, rank: int, world: int, first: int, last: int) -> None:
 
 
 def _held(engine) -> dict:
-    """This rank's fp32 master and Muon momentum, by (parameter name, first element)."""
+    """This rank's fp32 master and Muon momentum, by (parameter name, first
+    element); read from the sub-groups where the states are on NVMe."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     optimizer = engine.optimizer
+    master = optimizer.master
+    on_nvme = isinstance(master, SwappedMaster)
+    rows = {(u, k): states.clone() for u, k, states in master.read_pieces()} if on_nvme else {}
     held = {}
-    for unit, pieces in zip(optimizer.units, optimizer.master.pieces):
-        for meta, piece in zip(unit.pieces, pieces):
+    for u, (unit, pieces) in enumerate(zip(optimizer.units, master.pieces)):
+        for k, (meta, piece) in enumerate(zip(unit.pieces, pieces)):
             key = (names[id(unit.params[meta.param_index])], meta.param_start)
-            momentum = optimizer.state.get(piece, {}).get("momentum_buffer")
-            held[key] = (piece.detach().clone(), None if momentum is None else momentum.clone())
+            state = optimizer.state.get(piece, {})
+            if on_nvme:
+                momentum = rows[(u, k)][1] if "momentum_buffer" in state else None
+                held[key] = (rows[(u, k)][0], momentum)
+            else:
+                momentum = state.get("momentum_buffer")
+                held[key] = (piece.detach().clone(), None if momentum is None else momentum.clone())
     return held
 
 
@@ -286,27 +311,25 @@ def _parameters(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def save_and_resume(rank: int, world: int, checkpoints: str) -> dict:
-    config = muon_config(2, 2, 0.05, offload=True)
+def save_and_resume(rank: int, world: int, config: dict, checkpoints: str, tag: str) -> dict:
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
     _steps(engine, rank, world, 0, SAVED_AT)
-    engine.save_checkpoint(checkpoints, tag="muon")
+    engine.save_checkpoint(checkpoints, tag=tag)
     saved = _held(engine)
     _steps(engine, rank, world, SAVED_AT, STEPS)
     straight = _parameters(engine)
     engine.destroy()
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
-    engine.load_checkpoint(checkpoints, tag="muon")
+    engine.load_checkpoint(checkpoints, tag=tag)
     _steps(engine, rank, world, SAVED_AT, STEPS)
     resumed = _parameters(engine)
     engine.destroy()
     return {"saved": saved, "straight": straight, "resumed": resumed}
 
 
-def reload(rank: int, world: int, checkpoints: str) -> dict:
-    config = muon_config(3, 1, 0.05, batch=batch_of(world))
+def reload(rank: int, config: dict, checkpoints: str, tag: str) -> dict:
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
-    engine.load_checkpoint(checkpoints, tag="muon")
+    engine.load_checkpoint(checkpoints, tag=tag)
     held = _held(engine)
     engine.destroy()
     return held
@@ -329,19 +352,24 @@ def whole(held_by_rank: list[dict], which: int) -> dict[str, torch.Tensor]:
     return {name: torch.cat([v for _, v in sorted(pieces, key=lambda x: x[0])]) for name, pieces in parts.items()}
 
 
-def test_checkpoints_resume_bit_exact(results):
+@pytest.mark.parametrize("run", ["checkpoint", "checkpoint nvme"])
+def test_checkpoints_resume_bit_exact(results, run):
     for out in results[2]:
-        run = out["checkpoint"]
-        assert run["resumed"].keys() == run["straight"].keys()
-        for name, value in run["resumed"].items():
-            assert torch.equal(value, run["straight"][name]), name
+        got = out[run]
+        assert got["resumed"].keys() == got["straight"].keys()
+        for name, value in got["resumed"].items():
+            assert torch.equal(value, got["straight"][name]), name
 
 
-def test_checkpoints_reload_at_another_world_size(results):
-    """Saved on 2 ranks at stage 2, loaded on 3 at stage 3: every master
-    weight and Muon momentum as saved."""
-    saved = [out["checkpoint"]["saved"] for out in results[2]]
-    loaded = [out["reloaded"] for out in results[3]]
+@pytest.mark.parametrize("saved_as, loaded_as", [
+    ("checkpoint", "reloaded"), ("checkpoint", "reloaded on nvme"), ("checkpoint nvme", "reloaded from nvme"),
+])
+def test_checkpoints_reload_at_another_world_size(results, saved_as, loaded_as):
+    """Saved on 2 ranks (stage 2 on the host, or stage 3 on NVMe), loaded
+    on 3 (on the device or on NVMe): every master weight and Muon momentum
+    as saved."""
+    saved = [out[saved_as]["saved"] for out in results[2]]
+    loaded = [out[loaded_as] for out in results[3]]
     for which in (0, 1):
         want, got = whole(saved, which), whole(loaded, which)
         assert got.keys() == want.keys() and want, which
@@ -352,7 +380,7 @@ def test_checkpoints_reload_at_another_world_size(results):
 @pytest.mark.parametrize("world", sorted(SCENARIOS))
 def test_muon_matches_single_process(results, world):
     references: dict = {}
-    for label, model, stage, gas, clip, precision, host, pair in SCENARIOS[world]:
+    for label, model, stage, gas, clip, precision, _, pair in SCENARIOS[world]:
         key = (model, gas, clip, precision, min(stage, 2))
         if key not in references:
             references[key] = train_reference(model, clip, STEPS, world, gas, precision, stage)
@@ -367,6 +395,17 @@ def test_muon_matches_single_process(results, world):
         for other in results[world][1:]:
             for name, value in other[label]["params"].items():
                 assert torch.equal(value, got["params"][name]), tag
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_states_on_nvme_step_as_in_host_memory_to_the_bit(results, world):
+    """The same training with the states on NVMe (two passes over the
+    sub-groups: zcore.step.swapped_matrix) and in host memory."""
+    for rank, out in enumerate(results[world]):
+        host, nvme = out["stage 3 bf16 host"], out["stage 3 bf16 nvme"]
+        assert nvme["losses"] == host["losses"], rank
+        for name, value in nvme["params"].items():
+            assert torch.equal(value, host["params"][name]), (rank, name)
 
 
 def matrix_bytes(model_name: str, world: int, owners: list[int], rank: int) -> Fraction:

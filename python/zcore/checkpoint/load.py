@@ -31,7 +31,7 @@ from zcore.errors import CheckpointCorruptError, CheckpointError, CheckpointMism
 from zcore.optim import CompressedAdam
 from zcore.progress import progress_bar
 from zcore.memory.swap import SwapManager
-from zcore.step.swapped_optimizer import SwappedMaster
+from zcore.step.swapped_optimizer import SwappedMaster, resting_state, state_rows
 
 log = logging.getLogger("zcore")
 
@@ -317,7 +317,7 @@ def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: RangeSource
 
     master = optimizer.master
     if isinstance(master, SwappedMaster):
-        staged.optimizer_swap = _stage_sub_groups(master, layout, saved, staged, put_shard)
+        staged.optimizer_swap = _stage_sub_groups(master, state_rows(optimizer.inner), layout, saved, staged, put_shard)
     elif staged.parameter_swap is not None:  # trained NVMe shards from the staged master values
         by_piece = {id(slot.piece): value for slot, value in staged.slots if slot.piece is not None}
         for u, (unit, pieces) in enumerate(zip(optimizer.units, master.pieces)):
@@ -329,20 +329,22 @@ def _stage_trained_nvme(optimizer: Any, layout: EngineLayout, saved: RangeSource
 
 
 def _stage_sub_groups(
-    master: SwappedMaster, layout: EngineLayout, saved: RangeSource, staged: Staged, put_shard: Any
+    master: SwappedMaster, rows: Any, layout: EngineLayout, saved: RangeSource, staged: Staged, put_shard: Any
 ) -> SwapManager:
-    """Without optimizer states to load, each sub-group keeps its moments."""
+    """Without optimizer states to load, each sub-group keeps its moments
+    (``rows(piece)``: where a piece's ranged states rest)."""
     slots = {id(slot.piece): slot for slot in layout.slots_of(TRAINED)}
     states = staged.states
 
     def values(u: int, k: int, lo: int, hi: int) -> torch.Tensor:
         piece = master.pieces[u][k]
         slot = slots[id(piece)]
-        out = torch.zeros(3, hi - lo, dtype=torch.float32)
+        out = torch.zeros(3, hi - lo, dtype=master.dtype)
         out[0] = saved.read(slot.name, slot.start + lo, slot.start + hi)
         if states is not None and piece in states:
-            out[1] = saved.read(slot.name, slot.start + lo, slot.start + hi, "exp_avg")
-            out[2] = saved.read(slot.name, slot.start + lo, slot.start + hi, "exp_avg_sq")
+            for key, row in rows(piece).items():
+                if key in states[piece]:
+                    out[row] = saved.read(slot.name, slot.start + lo, slot.start + hi, key)
         return out
 
     return master.stage(values, put_shard, keep_moments=states is None)
@@ -459,13 +461,15 @@ def commit(engine: Any, staged: Staged) -> None:
     engine.residency.reload()
     if staged.states is not None:
         inner = optimizer.inner
+        rows = state_rows(inner)
         for slot in staged.layout.slots_of(TRAINED):
             state = staged.states.get(slot.piece)
             if state is None:
                 inner.state.pop(slot.piece, None)
                 continue
             if isinstance(optimizer.master, SwappedMaster):
-                inner.state[slot.piece] = {"step": state["step"]}  # the moments are in the sub-groups
+                # the ranged states are in the sub-groups
+                inner.state[slot.piece] = resting_state(state, rows(slot.piece), slot.data)
                 continue
             inner.state[slot.piece] = {
                 k: (v.to(slot.data.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

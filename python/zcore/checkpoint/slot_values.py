@@ -19,7 +19,7 @@ import torch
 
 from zcore.checkpoint.layout import Slot
 from zcore.errors import InvalidStateError
-from zcore.step.swapped_optimizer import SwappedMaster
+from zcore.step.swapped_optimizer import SwappedMaster, resting_keys, state_rows
 
 
 class SlotValues:
@@ -28,6 +28,7 @@ class SlotValues:
         self._master = optimizer.master if optimizer is not None else None
         self._inner = optimizer.inner if optimizer is not None else None
         self._residency = engine.residency
+        self._rows = state_rows(self._inner) if self._inner is not None else None
         self._group: Optional[int] = None  # the frozen group whose shard is cached
         self._shard: Optional[torch.Tensor] = None
 
@@ -44,8 +45,15 @@ class SlotValues:
         if not state:
             return None
         if self.swapped:
-            return {"step": state["step"], "exp_avg": slot.data, "exp_avg_sq": slot.data}
+            rows = self.rows(slot.piece)
+            return {
+                **{k: v for k, v in state.items() if k not in rows}, **{k: slot.data for k in resting_keys(state, rows)}
+            }
         return state
+
+    def rows(self, piece: torch.Tensor) -> dict[str, int]:
+        """Where a trained piece's ranged states rest in its sub-groups (states on NVMe)."""
+        return self._rows(piece)
 
     def moment_like(self, slot: Slot) -> torch.Tensor:
         """An empty tensor of the dtype a trained slot's moments are kept
@@ -70,9 +78,14 @@ class SlotValues:
             if slot is None or slot.piece is not piece:
                 raise InvalidStateError("the optimizer's sub-groups and the checkpoint layout list pieces in another order")
             state = self._inner.state.get(piece)
-            yield slot, states[0], (
-                {"step": state["step"], "exp_avg": states[1], "exp_avg_sq": states[2]} if state else None
-            )
+            if not state:
+                yield slot, states[0], None
+                continue
+            rows = self.rows(piece)
+            yield slot, states[0], {
+                **{k: v for k, v in state.items() if k not in rows},
+                **{k: states[rows[k]] for k in resting_keys(state, rows)},
+            }
 
     def frozen(self, slot: Slot) -> torch.Tensor:
         """A frozen parameter's or buffer's values."""

@@ -40,7 +40,7 @@ from zcore.step.grad_reduction import AccumulateThenReduce, GradientReducer, Red
 from zcore.step.gradient_shards import SwappedGradients
 from zcore.step.gradient_shards import swap_capacity as gradient_swap_capacity
 from zcore.optim.matrix_optimizer import MatrixAndElementwise
-from zcore.step.matrix_step import matrix_update
+from zcore.step.matrix_step import matrix_step, matrix_update
 from zcore.step.optimizers import ParamGroups, build_optimizer, collect_param_groups, combine_optimizers
 from zcore.step.precision import MixedPrecision
 from zcore.step.sharded_optimizer import (
@@ -54,6 +54,7 @@ from zcore.step.sharded_optimizer import (
     TorchUpdate,
     UnitShards,
 )
+from zcore.step.swapped_matrix import SwappedMatrixUpdate
 from zcore.step.swapped_optimizer import (
     STATES,
     SwappedAdamUpdate,
@@ -405,23 +406,22 @@ def _update(
     ranks: DataParallelRanks,
     device: torch.device,
 ) -> Any:
+    group_params = [g["params"] for g in groups.groups]
+    if isinstance(inner, MatrixAndElementwise) and isinstance(master, SwappedMaster):
+        _check_swap_buffers(offload)
+        cpu = torch.device("cpu")
+        step = matrix_step(inner, master, group_params, ranks.shard, ranks.model_parallel, device, home=cpu)
+        return SwappedMatrixUpdate(
+            inner, master, reducer, shards, step, read_ahead=offload.read_ahead, write_behind=offload.write_behind
+        )
     if isinstance(inner, MatrixAndElementwise):  # matrices by owner compute (zcore.step.matrix_step)
-        assert isinstance(master, MasterShards)  # zcore.step.optimizers refuses it on NVMe
         elementwise = (
             TorchUpdate(inner, master, reducer, shards) if inner.elementwise is None  # then it only writes the shards
             else _update(inner.elementwise, master, reducer, shards, offload, groups, ranks, device)
         )
-        return matrix_update(
-            inner, elementwise, [g["params"] for g in groups.groups], ranks.shard, ranks.model_parallel, device
-        )
+        return matrix_update(inner, elementwise, group_params, ranks.shard, ranks.model_parallel, device)
     if isinstance(master, SwappedMaster):
-        needed = 1 + offload.read_ahead + offload.write_behind
-        if offload.optimizer_buffers < needed:
-            raise ConfigError(
-                f"zero_optimization.offload_optimizer.buffer_count = {offload.optimizer_buffers} is too "
-                f"few for pipeline_read = {offload.read_ahead} and pipeline_write = {offload.write_behind}: "
-                f"they need {needed} buffers; set buffer_count to {needed} or turn a pipeline off"
-            )
+        _check_swap_buffers(offload)
         return SwappedAdamUpdate(
             inner, master, reducer, shards, read_ahead=offload.read_ahead, write_behind=offload.write_behind,
             background=BackgroundStep() if _updates_in_host_memory(master.units, shards) else None,
@@ -429,6 +429,16 @@ def _update(
     if isinstance(inner, CPUAdam):
         return FusedCpuUpdate(inner, master, reducer, shards)
     return TorchUpdate(inner, master, reducer, shards)
+
+
+def _check_swap_buffers(offload: OffloadPolicy) -> None:
+    needed = 1 + offload.read_ahead + offload.write_behind
+    if offload.optimizer_buffers < needed:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.buffer_count = {offload.optimizer_buffers} is too "
+            f"few for pipeline_read = {offload.read_ahead} and pipeline_write = {offload.write_behind}: "
+            f"they need {needed} buffers; set buffer_count to {needed} or turn a pipeline off"
+        )
 
 
 def _updates_in_host_memory(units: list[Unit], shards: UnitShards) -> bool:

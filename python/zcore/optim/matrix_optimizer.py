@@ -40,6 +40,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # back: ``direction`` must cast its matrix to it first and return it
     # (Muon: bfloat16, halving the bytes and changing no result).
     exchange_dtype: torch.dtype = torch.float32
+    # The keys of the per-element states ``premix`` keeps (Muon:
+    # momentum_buffer), at most two: with the optimizer's states on NVMe they
+    # rest where Adam's two moments do (zcore.step.swapped_matrix), which
+    # refuses a premix that keeps one not declared here.
+    state_keys: tuple[str, ...] = ()
     # Whether ``direction`` keeps a whole-matrix state (Shampoo's
     # preconditioners). zcore's checkpoints do not hold such state yet, so
     # save_checkpoint refuses it (the same answer on every rank).

@@ -113,6 +113,7 @@ class Muon(MatrixOptimizer):
     # bf16 matrix would lose bits fp16 keeps), and the fp16 direction comes
     # back exact.
     exchange_dtype = torch.bfloat16
+    state_keys = ("momentum_buffer",)
 
     def __init__(
         self,

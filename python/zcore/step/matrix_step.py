@@ -108,12 +108,15 @@ class MatrixStep:
     """Owner compute over the shard group (module docstring)."""
 
     def __init__(
-        self, optimizer: MatrixAndElementwise, master: MasterShards, matrices: list[Matrix], shard: RankGroup,
-        exchanges: bool, comm_device: torch.device,
+        self, optimizer: MatrixAndElementwise, master: Any, matrices: list[Matrix], shard: RankGroup,
+        exchanges: bool, comm_device: torch.device, home: torch.device,
     ) -> None:
-        """``exchanges``: the units are sharded over ``shard`` (False: every
+        """``master``: MasterShards, whose pieces ``step`` updates (NVMe
+        states: zcore.step.swapped_matrix premixes and applies itself);
+        ``exchanges``: the units are sharded over ``shard`` (False: every
         rank holds every matrix whole and computes it); ``comm_device``:
-        where the collectives' buffers live (NCCL takes no host memory)."""
+        where the collectives' buffers live (NCCL takes no host memory);
+        ``home``: where the master values are."""
         self.optimizer = optimizer
         self.master = master
         self.matrices = matrices
@@ -122,24 +125,40 @@ class MatrixStep:
         self.rank = shard.rank if self.exchanges else 0
         self.ranks = shard.size if self.exchanges else 1
         self.comm_device = comm_device
+        self.home = home
         # The whole-matrix states of the matrices this rank owns, by index.
         self.whole_states: dict[int, dict[str, Any]] = {}
 
+    def stepping(self, used: list[list[int]]) -> list[Matrix]:
+        """The matrices some rank got a gradient for (``used``: per unit, per parameter)."""
+        return [m for m in self.matrices if used[m.unit][m.param_index]]
+
     def step(self, used: list[list[int]]) -> None:
         """Updates the master pieces of every matrix that got a gradient on
-        some rank (``used``: per unit, per parameter); their gradients are
-        final (unscaled and clipped)."""
-        stepping = [m for m in self.matrices if used[m.unit][m.param_index]]
+        some rank; their gradients are final (unscaled and clipped)."""
+        stepping = self.stepping(used)
         if not stepping:
             return
         rule, groups = self.optimizer.matrix, self.optimizer.param_groups
-        exchange = rule.exchange_dtype
         mine: dict[int, torch.Tensor] = {}
         for m in stepping:
             if m.piece is not None:
                 piece = self.master.pieces[m.unit][m.piece]
                 mixed = rule.premix(piece.grad, self.optimizer.state[piece], groups[m.group])
-                mine[m.index] = mixed.to(exchange)
+                mine[m.index] = mixed.to(rule.exchange_dtype)
+        back = self.directions(stepping, mine)
+        for m in stepping:
+            if m.piece is not None:
+                piece = self.master.pieces[m.unit][m.piece]
+                rule.apply_(piece, back[m.index], groups[m.group], m.shape)
+
+    def directions(self, stepping: list[Matrix], mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Steps 2-4 of the module docstring: ``mine`` (index -> this rank's
+        premixed range of each stepping matrix it holds, in the exchange
+        dtype) to the owners, their directions, and this rank's range of
+        each back, by index."""
+        rule, groups = self.optimizer.matrix, self.optimizer.param_groups
+        exchange = rule.exchange_dtype
         owned = [m for m in stepping if m.owner == self.rank]
         whole = self._to_owners(stepping, owned, mine, exchange)
         directions = {}
@@ -153,17 +172,13 @@ class MatrixStep:
                     f"shape in the exchange dtype {exchange}"
                 )
             directions[m.index] = direction.reshape(-1)
-        back = self._from_owners(stepping, owned, directions, exchange)
-        for m in stepping:
-            if m.piece is not None:
-                piece = self.master.pieces[m.unit][m.piece]
-                rule.apply_(piece, back[m.index], groups[m.group], m.shape)
+        return self._from_owners(stepping, owned, directions, exchange)
 
     def _to_owners(
         self, stepping: list[Matrix], owned: list[Matrix], mine: dict[int, torch.Tensor], dtype: torch.dtype
     ) -> dict[int, torch.Tensor]:
         """Each owned matrix whole (flat), from every rank's ranges."""
-        device = self.master.shards[0].device if self.master.shards else self.comm_device
+        device = self.home
         if not self.exchanges:
             return mine
         sends = [[mine[m.index] for m in stepping if m.owner == q and m.piece is not None] for q in range(self.ranks)]
@@ -189,7 +204,7 @@ class MatrixStep:
         received = self._all_to_all(
             sends, [sum(m.held(self.rank) for m in stepping if m.owner == r) for r in range(self.ranks)], dtype
         )
-        device = self.master.shards[0].device
+        device = self.home
         back = {}
         for r, part in enumerate(received):
             pos = 0
@@ -214,6 +229,15 @@ class MatrixStep:
             v.numel() * v.element_size() for s in self.whole_states.values() for v in s.values()
             if isinstance(v, torch.Tensor)
         )
+
+    def check_saveable(self) -> None:
+        rule = self.optimizer.matrix
+        if rule.keeps_whole_state:
+            raise CheckpointError(
+                f"{type(rule).__name__} keeps a state of each whole matrix on the matrix's owner rank, which "
+                "zcore's checkpoints (ranges of each parameter's elements) do not hold yet; save the model's "
+                "weights (engine.save_16bit_model) or use an optimizer whose state is element-wise (Muon, AdamW)"
+            )
 
 
 class MatrixUpdate:
@@ -271,25 +295,20 @@ class MatrixUpdate:
         return self.elementwise.state_bytes() + self.matrix.state_bytes()
 
     def check_saveable(self) -> None:
-        rule = self.matrix.optimizer.matrix
-        if rule.keeps_whole_state:
-            raise CheckpointError(
-                f"{type(rule).__name__} keeps a state of each whole matrix on the matrix's owner rank, which "
-                "zcore's checkpoints (ranges of each parameter's elements) do not hold yet; save the model's "
-                "weights (engine.save_16bit_model) or use an optimizer whose state is element-wise (Muon, AdamW)"
-            )
+        self.matrix.check_saveable()
 
     def close(self) -> None:
         self.elementwise.close()
 
 
-def matrix_update(
-    inner: MatrixAndElementwise, elementwise: Union[TorchUpdate, FusedCpuUpdate], group_params: list[list[Any]],
-    shard: RankGroup, model_parallel: Any, comm_device: torch.device,
-) -> MatrixUpdate:
-    """The update of ``inner`` over ``elementwise``'s master shards
+def matrix_step(
+    inner: MatrixAndElementwise, master: Any, group_params: list[list[Any]], shard: RankGroup, model_parallel: Any,
+    comm_device: torch.device, home: torch.device,
+) -> MatrixStep:
+    """Owner compute for ``inner``'s matrices over ``master``'s units
     (``group_params``: the model parameters of each of inner's groups;
-    ``shard``: the ranks the units are sharded over)."""
+    ``shard``: the ranks the units are sharded over; ``home``: where the
+    master values are)."""
     if model_parallel is not None:
         raise ConfigError(
             f"{type(inner.matrix).__name__} updates whole matrices, and zcore assigns each to one data-parallel "
@@ -297,10 +316,20 @@ def matrix_update(
             "gather it from (tensor parallelism), which is not supported yet: train it without the mesh's model "
             "parallelism, or use AdamW"
         )
-    units = elementwise.master.units
+    units = master.units
     group_of = {id(p): g for g, params in enumerate(group_params[: inner.matrix_groups]) for p in params}
     sharded = any(u.shard_numel < u.padded_numel for u in units)
     shards = shard.size if sharded else 1
     matrices = plan_matrices(units, group_of, inner.matrix.cost, shards, shard.rank if sharded else 0)
-    step = MatrixStep(inner, elementwise.master, matrices, shard, sharded, comm_device)
+    return MatrixStep(inner, master, matrices, shard, sharded, comm_device, home)
+
+
+def matrix_update(
+    inner: MatrixAndElementwise, elementwise: Union[TorchUpdate, FusedCpuUpdate], group_params: list[list[Any]],
+    shard: RankGroup, model_parallel: Any, comm_device: torch.device,
+) -> MatrixUpdate:
+    """The update of ``inner`` over ``elementwise``'s master shards in memory."""
+    master = elementwise.master
+    home = master.shards[0].device if master.shards else comm_device
+    step = matrix_step(inner, master, group_params, shard, model_parallel, comm_device, home)
     return MatrixUpdate(elementwise, step, steps_elementwise=inner.elementwise is not None)

@@ -338,11 +338,16 @@ def _check_compressed(optimizer: torch.optim.Optimizer, cfg: Config, offload: Of
 
 def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
     if offload.optimizer is Tier.NVME and isinstance(optimizer, MatrixAndElementwise):
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.device = 'nvme' streams Adam's states from disk in sub-groups; "
-            f"{type(optimizer.matrix).__name__}'s matrices are not stepped there yet: set offload_optimizer.device "
-            "to 'cpu' (the matrices step in host memory) or 'none'"
-        )
+        keys = type(optimizer.matrix).state_keys
+        if len(keys) > 2:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.device = 'nvme' keeps a whole-matrix optimizer's per-element "
+                f"states where Adam's two moments rest; {type(optimizer.matrix).__name__} declares "
+                f"{len(keys)} (its state_keys): at most two fit, or set offload_optimizer.device to 'cpu'"
+            )
+        if optimizer.elementwise is not None:
+            _check_swappable(optimizer.elementwise, offload)
+        return
     if offload.optimizer is Tier.NVME and not isinstance(optimizer, CPUAdam):
         raise ConfigError(
             f"zero_optimization.offload_optimizer.device = 'nvme' steps the states on disk with "

@@ -36,12 +36,16 @@ from zcore.memory.host_memory import PAGE_ALIGNMENT
 from zcore.optim import CPUAdam
 from zcore.optim.adam import group_config
 from zcore.optim.functional import adam_step
+from zcore.optim.matrix_optimizer import MatrixAndElementwise
 from zcore.step.units import Unit
 from zcore.step.sharded_optimizer import TorchUpdate, UnitShards, pieces_by_param
 from zcore.memory.swap import SwapManager
 
 FP32_BYTES = 4
 STATES = 3  # master, exp_avg, exp_avg_sq
+# The rows of a sub-group where Adam's moments rest; a whole-matrix
+# optimizer's per-element states take rows 1, 2 in its state_keys' order.
+ADAM_ROWS = {"exp_avg": 1, "exp_avg_sq": 2}
 
 
 @dataclass(frozen=True)
@@ -261,11 +265,40 @@ class SwappedMaster:
             raise InvalidStateError("the optimizer's sub-groups were not all given their values at start-up")
 
 
+def state_rows(inner: torch.optim.Optimizer) -> Callable[[torch.Tensor], dict[str, int]]:
+    """For a piece of ``inner``'s, the rows of its sub-groups where its
+    ranged optimizer states rest on NVMe, by state key."""
+    if not isinstance(inner, MatrixAndElementwise):
+        return lambda piece: ADAM_ROWS
+    matrix_rows = {key: row for row, key in enumerate(inner.matrix.state_keys, start=1)}
+    matrix_pieces = {id(p) for g in inner.matrix.param_groups for p in g["params"]}
+    return lambda piece: matrix_rows if id(piece) in matrix_pieces else ADAM_ROWS
+
+
+def resting_keys(state: dict, rows: dict[str, int]) -> list[str]:
+    """The ranged keys of a piece's optimizer state on NVMe: Adam's
+    moments, which its step implies; a whole-matrix optimizer's, which a
+    meta marker in the state stands for (``resting_state``)."""
+    return [key for key in rows if key in state or "step" in state]
+
+
+def resting_state(state: dict, rows: dict[str, int], like: torch.Tensor) -> dict:
+    """What the optimizer keeps in memory of a piece's state whose ranged
+    values rest on NVMe: its scalars (Adam's step), and for a state without
+    a step (Muon's) a meta tensor like ``like`` per ranged key."""
+    kept = {key: value for key, value in state.items() if key not in rows}
+    if "step" not in state:
+        kept.update({key: torch.empty_like(like, device="meta") for key in rows if key in state})
+    return kept
+
+
 class SwappedAdamUpdate(TorchUpdate):
-    """One Adam/AdamW step streamed over the sub-groups (module docstring)."""
+    """One Adam/AdamW step streamed over the sub-groups (module docstring).
+    Pieces of a whole-matrix optimizer's (zcore.step.swapped_matrix) are not
+    its to step: it writes their compute-dtype values out only."""
 
     def __init__(
-        self, inner: CPUAdam, master: SwappedMaster, reducer: GradientReducer, shards: UnitShards,
+        self, inner: torch.optim.Optimizer, master: SwappedMaster, reducer: GradientReducer, shards: UnitShards,
         read_ahead: bool = True, write_behind: bool = True, background: Optional[BackgroundStep] = None,
     ) -> None:
         """``background``: stream the sub-groups behind the next forward
@@ -284,6 +317,14 @@ class SwappedAdamUpdate(TorchUpdate):
         self._used: list[list[bool]] = [[] for _ in master.units]
         self._grads: dict[int, torch.Tensor] = {}  # unit -> its gradient shard on the host, during a step
         self._group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
+        # The first groups are a whole-matrix optimizer's, the others zcore's CPU Adam's.
+        self._matrix_groups = inner.matrix_groups if isinstance(inner, MatrixAndElementwise) else 0
+        adam = inner.elementwise if isinstance(inner, MatrixAndElementwise) else inner
+        self._threads = adam.num_threads if isinstance(adam, CPUAdam) else None
+
+    def steps_adam(self, piece: torch.nn.Parameter) -> bool:
+        """Whether Adam steps ``piece`` (not a whole-matrix optimizer)."""
+        return self._group_of[id(piece)] >= self._matrix_groups
 
     def grad_source(self, unit: int) -> torch.Tensor:
         return self.reducer.grad_shard(unit)
@@ -312,11 +353,11 @@ class SwappedAdamUpdate(TorchUpdate):
         steps = {}  # (unit, piece) -> the step this update takes, for pieces with a gradient
         for u, unit in enumerate(units):
             for k, meta in enumerate(unit.pieces):
-                if self._used[u][meta.param_index]:
+                if self._used[u][meta.param_index] and self.steps_adam(pieces[u][k]):
                     state = self._state(pieces[u][k])
                     steps[(u, k)] = int(state["step"].item()) + 1
         # Taken now: a scheduler changes the learning rate once this returns.
-        configs = [group_config(g) for g in self.inner.param_groups]
+        configs = [group_config(g) if i >= self._matrix_groups else None for i, g in enumerate(self.inner.param_groups)]
         if self.background is None:
             self._stream(steps, configs, coefficient, lambda u: None)
         else:
@@ -358,6 +399,7 @@ class SwappedAdamUpdate(TorchUpdate):
     def _step_sub_group(
         self, sub: SubGroup, states: torch.Tensor, steps: dict, configs: list, coefficient: float, outs: dict
     ) -> None:
+        self._step_matrices(sub, states)
         master, exp_avg, exp_avg_sq = states[0], states[1], states[2]
         batches: dict[tuple[int, int], list[Run]] = defaultdict(list)
         for run in sub.runs:
@@ -377,13 +419,18 @@ class SwappedAdamUpdate(TorchUpdate):
                 [master[v] for v in views], grads, [exp_avg[v] for v in views], [exp_avg_sq[v] for v in views],
                 params_out=[self._out_view(outs, r) for r in runs] if fused_out else None,
                 grad_scale=coefficient,
-                num_threads=self.inner.num_threads,
+                num_threads=self._threads,
             )
         for run in sub.runs:
             out = self._out_view(outs, run)
             if out.dtype == torch.float32 or (run.unit, run.piece) not in steps:
                 # fp32 compute, or a piece without a gradient: the master is the value.
                 out.copy_(master[run.offset : run.offset + run.numel])
+
+    def _step_matrices(self, sub: SubGroup, states: torch.Tensor) -> None:
+        """The whole-matrix optimizer's element-wise step on its runs in
+        ``sub`` ([STATES, numel]): none here (zcore.step.swapped_matrix)."""
+        return None
 
     def _grad(self, run: Run) -> torch.Tensor:
         """Read once per unit (from NVMe, or copied from the device) and
