@@ -20,7 +20,6 @@ from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
 from test_muon import averaged, batch_of, clip_by_global_norm, is_matrix, one_thread
 from training import rows
-from zcore.errors import CheckpointError
 
 STEPS = 20
 LR, ADAM_LR, EPS = 0.01, 3e-3, 1e-4
@@ -37,8 +36,6 @@ def inverse_fourth_root(matrix: torch.Tensor) -> torch.Tensor:
 class Shampoo(zcore.optim.MatrixOptimizer):
     """Shampoo (Gupta et al., 2018) without grafting or blocking: L += G Gᵀ,
     R += Gᵀ G, update L^(-1/4) G R^(-1/4)."""
-
-    keeps_whole_state = True
 
     def __init__(self, params: Any, lr: float = LR, eps: float = EPS) -> None:
         super().__init__(params, {"lr": lr, "eps": eps})
@@ -109,59 +106,127 @@ def reference(world: int, gas: int, stage: int) -> dict:
 
 # (stage, accumulation, optimizer on the host)
 SCENARIOS = {1: [(3, 2, True)], 2: [(2, 2, False), (3, 1, True)], 3: [(3, 1, False)]}
+SAVED_AT = 10
+
+
+def config_of(world: int, stage: int, gas: int, host: bool) -> dict:
+    return {
+        "train_batch_size": batch_of(world), "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
+                              "offload_optimizer": {"device": "cpu" if host else "none"}},
+    }
+
+
+def shampoo_engine(config: dict):
+    model = make_model("gpt")
+    matrices, others = split(model)
+    engine, *_ = zcore.initialize(
+        model=model, config=config, optimizer=(Shampoo(matrices), torch.optim.AdamW(others, lr=ADAM_LR))
+    )
+    return engine
+
+
+def train_steps(engine, rank: int, world: int, first: int, last: int) -> None:
+    gas, batch = engine.gradient_accumulation_steps(), engine.train_batch_size()
+    for step in range(first, last):
+        x, y = global_batch("gpt", step, batch)
+        for m in range(gas):
+            part = rows(m * world + rank, world * gas, batch)
+            engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, rank), y[part]))
+            engine.step()
+
+
+def parameters(engine) -> dict:
+    with zcore.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def whole_states(engine) -> dict:
+    """The preconditioners this rank keeps, by parameter name."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    step = engine.optimizer.update.matrix
+    units = engine.optimizer.units
+    return {
+        names[id(units[m.unit].params[m.param_index])]: {k: v.clone() for k, v in step.whole_states[m.index].items()}
+        for m in step.matrices if m.index in step.whole_states
+    }
 
 
 def run_world(rank: int, world: int, checkpoints: str) -> dict:
+    """Each scenario 20 steps, saved after SAVED_AT; the first resumed from
+    there; at world 3, world 2's first checkpoint loaded."""
     out = {}
-    for stage, gas, host in SCENARIOS[world]:
-        config = {
-            "train_batch_size": batch_of(world), "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
-                                  "offload_optimizer": {"device": "cpu" if host else "none"}},
-        }
-        model = make_model("gpt")
-        matrices, others = split(model)
-        engine, *_ = zcore.initialize(
-            model=model, config=config, optimizer=(Shampoo(matrices), torch.optim.AdamW(others, lr=ADAM_LR))
-        )
-        batch = engine.train_batch_size()
-        for step in range(STEPS):
-            x, y = global_batch("gpt", step, batch)
-            for m in range(gas):
-                part = rows(m * world + rank, world * gas, batch)
-                engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, rank), y[part]))
-                engine.step()
-        try:
-            engine.save_checkpoint(checkpoints)
-            refused = None
-        except CheckpointError as exc:
-            refused = str(exc)
-        with zcore.GatheredParameters(list(engine.module.parameters())):
-            out[(stage, gas, host)] = {
-                "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
-                "refused": refused,
-            }
+    for i, (stage, gas, host) in enumerate(SCENARIOS[world]):
+        config = config_of(world, stage, gas, host)
+        engine = shampoo_engine(config)
+        train_steps(engine, rank, world, 0, SAVED_AT)
+        tag = f"w{world}s{stage}"
+        engine.save_checkpoint(checkpoints, tag=tag)
+        saved = whole_states(engine)
+        train_steps(engine, rank, world, SAVED_AT, STEPS)
+        out[(stage, gas, host)] = {"params": parameters(engine), "saved": saved}
+        engine.destroy()
+        if i == 0:
+            engine = shampoo_engine(config)
+            engine.load_checkpoint(checkpoints, tag=tag)
+            train_steps(engine, rank, world, SAVED_AT, STEPS)
+            out["resumed"] = parameters(engine)
+            engine.destroy()
+    if world == 3:
+        engine = shampoo_engine(config_of(world, 3, 1, False))
+        engine.load_checkpoint(checkpoints, tag="w2s2")
+        out["reloaded"] = whole_states(engine)
         engine.destroy()
     return out
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    checkpoints = str(tmp_path_factory.mktemp("shampoo"))
+    return {world: run_ranks(run_world, world, checkpoints, timeout=600) for world in sorted(SCENARIOS)}
+
+
 @pytest.mark.parametrize("world", sorted(SCENARIOS))
-def test_shampoo_matches_single_process(world, tmp_path):
-    results = run_ranks(run_world, world, str(tmp_path), timeout=600)
+def test_shampoo_matches_single_process(results, world):
     for stage, gas, host in SCENARIOS[world]:
         want = reference(world, gas, stage)
-        for rank, out in enumerate(results):
+        for rank, out in enumerate(results[world]):
             got = out[(stage, gas, host)]
             tag = f"stage {stage} gas {gas} host {host} world {world} rank {rank}"
             for name, value in got["params"].items():
                 assert torch.equal(value, want[name]), f"{tag}: {name} off by {(value - want[name]).abs().max()}"
-            assert got["refused"] is not None and "Shampoo keeps a state of each whole matrix" in got["refused"], tag
+
+
+@pytest.mark.parametrize("world", sorted(SCENARIOS))
+def test_shampoo_checkpoints_resume_bit_exact(results, world):
+    """The preconditioners are in the checkpoint: without them the resumed
+    steps would start from eps·I and differ."""
+    first = SCENARIOS[world][0]
+    for out in results[world]:
+        for name, value in out["resumed"].items():
+            assert torch.equal(value, out[first]["params"][name]), name
+
+
+def test_shampoo_preconditioners_reload_at_another_world_size(results):
+    """Saved by their owners on 2 ranks at stage 2, read by theirs on 3 at stage 3."""
+    def joined(parts: list[dict]) -> dict:
+        out: dict = {}
+        for part in parts:
+            assert not out.keys() & part.keys(), "a matrix has one owner"
+            out.update(part)
+        return out
+
+    saved = joined([out[(2, 2, False)]["saved"] for out in results[2]])
+    loaded = joined([out["reloaded"] for out in results[3]])
+    assert loaded.keys() == saved.keys() and saved
+    for name, states in loaded.items():
+        assert states.keys() == {"left", "right"}
+        for key, value in states.items():
+            assert torch.equal(value, saved[name][key]), (name, key)
 
 
 class Momentum(Shampoo):
     """Shampoo on a momentum it keeps per element without declaring it."""
-
-    keeps_whole_state = False
 
     def premix(self, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
         buf = state.setdefault("momentum", torch.zeros_like(grad))
@@ -192,3 +257,33 @@ def on_nvme(rank: int, world: int, swap: str, pair: str) -> str:
 def test_what_nvme_cannot_hold_is_refused_naming_it(pair, match, tmp_path):
     (message,) = run_ranks(on_nvme, 1, str(tmp_path), pair, timeout=120)
     assert re.search(match, message), message
+
+
+class CountingShampoo(Shampoo):
+    """Shampoo that counts its steps in a Python int."""
+
+    def direction(self, matrix: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        direction = super().direction(matrix, state, group)
+        state["count"] = state.get("count", 0) + 1
+        return direction
+
+
+def save_with_a_count(rank: int, world: int, checkpoints: str) -> str:
+    model = make_model("gpt")
+    matrices, others = split(model)
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2}}
+    engine, *_ = zcore.initialize(
+        model=model, config=config, optimizer=(CountingShampoo(matrices), torch.optim.AdamW(others))
+    )
+    train_steps(engine, rank, world, 0, 1)
+    try:
+        engine.save_checkpoint(checkpoints)
+    except zcore.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_whole_matrix_state_that_is_not_a_tensor_is_refused_on_every_rank(tmp_path):
+    for message in run_ranks(save_with_a_count, 2, str(tmp_path), timeout=120):
+        assert "keeps a whole-matrix state that is not a tensor" in message, message
+        assert "a count as a 0-d tensor" in message

@@ -21,7 +21,7 @@ import torch
 
 from zcore.comm import collectives as comm
 from zcore.memory.aio import AioEngine
-from zcore.checkpoint import directory, durable, partials, schema, training_state
+from zcore.checkpoint import directory, durable, matrix_states, partials, schema, training_state
 from zcore.checkpoint.files import shown
 from zcore.checkpoint.layout import TRAINED, EngineLayout, Slot, engine_layout, mismatch, tensor_infos, whole_model_layout
 from zcore.checkpoint.recut_parts import RecutParts
@@ -96,6 +96,8 @@ class Staged:
     layout: EngineLayout
     slots: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     states: Optional[dict[torch.nn.Parameter, dict]] = None  # None: keep the optimizer's
+    # A whole-matrix optimizer's states of the matrices this rank computes (zcore.checkpoint.matrix_states).
+    whole_states: Optional[dict[int, dict[str, torch.Tensor]]] = None
     # States on NVMe, staged aside in new swap files (zcore.checkpoint.slot_values).
     optimizer_swap: Optional[SwapManager] = None  # every sub-group: master, exp_avg, exp_avg_sq
     parameter_swap: Optional[SwapManager] = None  # every ZeRO-3 shard on NVMe
@@ -244,6 +246,7 @@ def _read(
                 except ValueError as exc:
                     raise schema.invalid(path, f"optimizer state of {slot.name}", str(exc)) from None
                 staged.states[slot.piece] = state
+            staged.whole_states = matrix_states.staged_states(engine, layout, indexes, saved.read_whole)
         if options.training:
             staged.counters = meta.counters
             if rank < len(indexes):
@@ -475,6 +478,8 @@ def commit(engine: Any, staged: Staged) -> None:
                 k: (v.to(slot.data.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                 for k, v in state.items()
             }
+        if staged.whole_states is not None:
+            optimizer.update.matrix.load_whole_states(staged.whole_states)
         training_state.apply_hyperparameters(
             inner, meta.optimizer.hyperparameters if meta is not None else staged.hyperparameters
         )

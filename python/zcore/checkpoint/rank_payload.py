@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from zcore.memory.aio import AioEngine
-from zcore.checkpoint import directory, durable, training_state
+from zcore.checkpoint import directory, durable, matrix_states, training_state
 from zcore.checkpoint.layout import FROZEN, TRAINED, EngineLayout
 from zcore.checkpoint.slot_values import SlotValues
 from zcore.checkpoint.tensor_file import TensorFileWriter, TensorSpec
@@ -76,6 +76,7 @@ def rank_payload(engine: Any, layout: EngineLayout, client_tensors: dict[str, to
                                              "start": slot.start, "stop": slot.stop}
         scalars[slot.name] = scalar
     rng, extra = training_state.rng_state(engine.context.device)
+    extra.update(matrix_states.saved_tensors(engine, layout))
     if rank == 0:
         extra.update(client_tensors)
     state_specs += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]

@@ -14,8 +14,9 @@ it on shards (zcore.step.matrix_step) as well as on whole parameters:
    ``matrix_view`` shows it (by default 2-D: a parameter of more dimensions
    is viewed as its first dimension by the rest): returns the update's
    direction, of its shape; ``state`` holds what only the
-   whole matrix has (Shampoo's preconditioners). Under ZeRO one rank, the
-   matrix's owner, runs it.
+   whole matrix has (Shampoo's preconditioners), as tensors: checkpoints
+   hold them whole, written by the owner and read by whichever rank owns
+   the matrix at load. Under ZeRO one rank, the matrix's owner, runs it.
 3. ``apply_(param, direction, group, shape)``, element-wise: the parameter
    takes its step from the direction (``shape``: the whole parameter's).
 
@@ -45,10 +46,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # rest where Adam's two moments do (zcore.step.swapped_matrix), which
     # refuses a premix that keeps one not declared here.
     state_keys: tuple[str, ...] = ()
-    # Whether ``direction`` keeps a whole-matrix state (Shampoo's
-    # preconditioners). zcore's checkpoints do not hold such state yet, so
-    # save_checkpoint refuses it (the same answer on every rank).
-    keeps_whole_state: bool = False
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)

@@ -230,14 +230,31 @@ class MatrixStep:
             if isinstance(v, torch.Tensor)
         )
 
+    def computes(self, m: Matrix) -> bool:
+        """Whether this rank computes ``m``'s direction and keeps its whole-matrix state."""
+        return m.owner == self.rank
+
     def check_saveable(self) -> None:
-        rule = self.optimizer.matrix
-        if rule.keeps_whole_state:
+        """Checkpoints hold whole-matrix states as tensors: raises
+        CheckpointError on every rank where some rank keeps another value."""
+        bad = next(
+            (f"{k!r} of matrix {i}" for i, state in self.whole_states.items() for k, v in state.items()
+             if not isinstance(v, torch.Tensor)),
+            None,
+        )
+        flag = torch.tensor([0 if bad is None else 1], dtype=torch.int32, device=self.comm_device)
+        comm.all_reduce_max(flag)  # every rank saves, so every rank raises
+        if flag.item():
             raise CheckpointError(
-                f"{type(rule).__name__} keeps a state of each whole matrix on the matrix's owner rank, which "
-                "zcore's checkpoints (ranges of each parameter's elements) do not hold yet; save the model's "
-                "weights (engine.save_16bit_model) or use an optimizer whose state is element-wise (Muon, AdamW)"
+                f"{type(self.optimizer.matrix).__name__} keeps a whole-matrix state that is not a tensor "
+                f"({bad or 'on another rank'}); checkpoints hold whole-matrix states as tensors: keep them as "
+                "tensors (a count as a 0-d tensor)"
             )
+
+    def load_whole_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The whole-matrix states a checkpoint load read for the matrices
+        this rank computes, by index; the others start afresh."""
+        self.whole_states = {i: {k: v.to(self.home) for k, v in s.items()} for i, s in states.items()}
 
 
 class MatrixUpdate:
