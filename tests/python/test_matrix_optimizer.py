@@ -18,7 +18,7 @@ import torch
 import zcore
 from distributed import run_ranks
 from models import forward, global_batch, loss_of, make_model
-from test_muon import averaged, batch_of, clip_by_global_norm, is_matrix, one_thread
+from test_muon import averaged, batch_of, clip_by_global_norm, is_matrix, one_thread, train_steps
 from training import rows
 
 STEPS = 20
@@ -124,16 +124,6 @@ def shampoo_engine(config: dict):
         model=model, config=config, optimizer=(Shampoo(matrices), torch.optim.AdamW(others, lr=ADAM_LR))
     )
     return engine
-
-
-def train_steps(engine, rank: int, world: int, first: int, last: int) -> None:
-    gas, batch = engine.gradient_accumulation_steps(), engine.train_batch_size()
-    for step in range(first, last):
-        x, y = global_batch("gpt", step, batch)
-        for m in range(gas):
-            part = rows(m * world + rank, world * gas, batch)
-            engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, rank), y[part]))
-            engine.step()
 
 
 def parameters(engine) -> dict:

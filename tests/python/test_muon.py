@@ -274,7 +274,8 @@ def run_world(rank: int, world: int, checkpoints: str) -> dict:
 SAVED_AT = 10
 
 
-def _steps(engine, rank: int, world: int, first: int, last: int) -> None:
+def train_steps(engine, rank: int, world: int, first: int, last: int) -> None:
+    """Steps ``first`` to ``last`` (exclusive) of the tests' GPT on this rank's parts."""
     gas, batch = engine.gradient_accumulation_steps(), engine.train_batch_size()
     for step in range(first, last):
         x, y = global_batch("gpt", step, batch)
@@ -313,15 +314,15 @@ def _parameters(engine) -> dict:
 
 def save_and_resume(rank: int, world: int, config: dict, checkpoints: str, tag: str) -> dict:
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
-    _steps(engine, rank, world, 0, SAVED_AT)
+    train_steps(engine, rank, world, 0, SAVED_AT)
     engine.save_checkpoint(checkpoints, tag=tag)
     saved = _held(engine)
-    _steps(engine, rank, world, SAVED_AT, STEPS)
+    train_steps(engine, rank, world, SAVED_AT, STEPS)
     straight = _parameters(engine)
     engine.destroy()
     engine, *_ = zcore.initialize(model=make_model("gpt"), config=config)
     engine.load_checkpoint(checkpoints, tag=tag)
-    _steps(engine, rank, world, SAVED_AT, STEPS)
+    train_steps(engine, rank, world, SAVED_AT, STEPS)
     resumed = _parameters(engine)
     engine.destroy()
     return {"saved": saved, "straight": straight, "resumed": resumed}
