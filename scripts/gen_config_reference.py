@@ -257,8 +257,9 @@ DESCRIPTIONS: dict[str, str] = {
     ),
     "BF16Config.bf16_master_weights_and_grads": (
         "Keeps the master weights in bf16 (2 bytes per element instead of 4), on whichever tier the optimizer "
-        "states live (device, host, NVMe); the optimizer takes its gradients in bf16 (accumulated in fp32, "
-        "clipped, then rounded once). Needs `bf16.enabled`. On the device tier a torch optimizer keeps its "
+        "states live (device, host, NVMe); gradients are still accumulated and reduced in fp32, and become bf16 "
+        "where the master weights are (the guide's leaner states section says where they are rounded). Needs "
+        "`bf16.enabled`. On the device tier a torch optimizer keeps its "
         "moments in bf16 too, so it needs `bf16_optimizer_states`; zcore's CPU Adam (the host) keeps fp32 "
         "moments beside bf16 weights. Checkpoints hold the bf16 values and load into fp32 runs and back."
     ),

@@ -278,19 +278,65 @@ def test_inconsistent_bf16_keys_are_refused_with_the_fix(bf16, match):
         load_config({**zcore_config(2, 1, 0.0), "bf16": bf16})
 
 
-def refused_at_initialize(rank: int, world: int, tier: str, nvme: str) -> str:
+OPTIMIZERS = {
+    "Muon": {"type": "Muon", "params": {"lr": 0.02}},
+    "OneBitAdam": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}},
+}
+
+
+def refused_at_initialize(rank: int, world: int, tier: str, nvme: str, optimizer: str, stage: int) -> str:
     devices.init_process_group("cpu")
+    config = lean_config(stage, tier, False, nvme)
+    if optimizer:
+        config["optimizer"] = OPTIMIZERS[optimizer]
     try:
-        zcore.initialize(model=make_model("gpt"), config=lean_config(2, tier, False, nvme))
+        zcore.initialize(model=make_model("gpt"), config=config)
     except zcore.ConfigError as exc:
         return str(exc)
     return "initialized"
 
 
-@pytest.mark.parametrize("tier, match", [
-    ("none", "AdamW keeps its states in its parameters' dtype.*offload_optimizer.device to 'cpu'"),
-    ("nvme", "on NVMe keep the master weights and the moments in one dtype"),
+@pytest.mark.parametrize("tier, optimizer, stage, match", [
+    ("none", "", 2, "AdamW keeps its states in its parameters' dtype.*offload_optimizer.device to 'cpu'"),
+    ("nvme", "", 2, "on NVMe keep the master weights and the moments in one dtype"),
+    ("cpu", "Muon", 2, "Muon keeps its states in its parameters' dtype \\(bf16\\): set bf16.bf16_optimizer_states to true$"),
+    ("none", "OneBitAdam", 0, "OneBitAdam keeps its states in its parameters' dtype"),
 ])
-def test_fp32_moments_beside_bf16_weights_where_they_cannot_be_are_refused(tier, match, tmp_path):
-    (message,) = run_ranks(refused_at_initialize, 1, tier, str(tmp_path), launcher=False, timeout=120)
+def test_fp32_moments_beside_bf16_weights_where_they_cannot_be_are_refused(tier, optimizer, stage, match, tmp_path):
+    (message,) = run_ranks(refused_at_initialize, 1, tier, str(tmp_path), optimizer, stage, launcher=False, timeout=120)
     assert re.search(match, message), message
+
+
+def muon_first_step(rank: int, world: int) -> dict:
+    """Muon (and AdamW for the others) with bf16 master weights and moments,
+    clipped: the AdamW pieces' first moments after one step, and the fp32
+    gradients they came from."""
+    devices.init_process_group("cpu")
+    config = lean_config(1, "none", True, "")
+    config["gradient_accumulation_steps"] = 1
+    config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": LR}}
+    engine, _, _, _ = zcore.initialize(model=make_model("gpt"), config=config)
+    optimizer = engine.optimizer
+    x, y = global_batch("gpt", 0, 8)
+    engine.backward(loss_of("gpt", forward("gpt", engine, x, 0, 0), y))
+    grads = [optimizer.reducer.grad_shard(u).clone() for u in range(len(optimizer.units))]
+    engine.step()
+    inner = optimizer.inner
+    adam = [(u, meta.shard_start, meta.numel, inner.state[piece]["exp_avg"].clone())
+            for u, (unit, pieces) in enumerate(zip(optimizer.units, optimizer.master.pieces))
+            for meta, piece in zip(unit.pieces, pieces) if "exp_avg" in inner.state.get(piece, {})]
+    engine.destroy()
+    return {"grads": grads, "adam": adam}
+
+
+def test_muons_adamw_half_takes_the_clipped_gradient_with_bf16_master_weights():
+    """A first moment is (1 - beta1) times the clipped gradient rounded to
+    bf16: the coefficient clip / norm is far from 1 here."""
+    (got,) = run_ranks(muon_first_step, 1, launcher=False, timeout=120)
+    norm = float(torch.linalg.vector_norm(torch.cat([g.double() for g in got["grads"]])))
+    coefficient = CLIP / (norm + 1e-6)
+    assert coefficient < 0.5 and got["adam"]
+    for u, start, numel, exp_avg in got["adam"]:
+        grad = (got["grads"][u][start : start + numel] * coefficient).bfloat16()
+        expected = (grad * (1 - 0.9)).bfloat16()  # torch's lerp from zero, in bf16
+        torch.testing.assert_close(exp_avg.float(), expected.float(), rtol=2**-7, atol=1e-12)

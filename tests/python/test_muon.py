@@ -32,7 +32,7 @@ from training import DTYPES, GLOBAL_BATCH, relative_error, rows
 from zcore.comm import counting_group
 from zcore.errors import InvalidArgumentError
 from zcore.optim.muon import Muon
-from zcore.step.matrix_step import assign_owners
+from zcore.step.matrix_step import assign_owners, matrix_cost
 from zcore.step.swapped_optimizer import SwappedMaster
 
 STEPS = 20
@@ -515,3 +515,7 @@ def test_owners_balance_the_iterations_multiply_adds():
     assert gram.cost(170, 170) == standard.cost(170, 170) == 15 * 170**3
     assert assign_owners([standard.cost(*s) for s in shapes], 3) == [1, 2, 0]
     assert assign_owners([gram.cost(*s) for s in shapes], 3) == [2, 1, 0]
+    # A 3-D parameter is a batch of matrices to "gram", one matrix to "standard".
+    heads = torch.Size([8, 512, 512])
+    assert matrix_cost(gram, heads) == 8 * gram.cost(512, 512)
+    assert matrix_cost(standard, heads) == standard.cost(8, 512 * 512)

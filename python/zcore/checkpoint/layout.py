@@ -114,9 +114,9 @@ def engine_layout(engine: Any) -> EngineLayout:
     # An engine without an optimizer (inference) holds trained parameters as
     # frozen ones are held: in the compute dtype, in their groups or modules.
     units = optimizer.units if optimizer is not None else []
+    master_dtype = optimizer.precision.master_dtype if optimizer is not None else torch.float32
     for unit, pieces in zip(units, optimizer.master.pieces if optimizer is not None else []):
         replicated = unit.shard_numel == unit.padded_numel
-        master_dtype = pieces[0].dtype if pieces else torch.float32  # fp32, or bf16 master weights
         stored = [describe_param(p, tuple(shape), master_dtype, TRAINED) for p, shape in zip(unit.params, unit.shapes)]
         for meta, piece in zip(unit.pieces, pieces):
             p = unit.params[meta.param_index]

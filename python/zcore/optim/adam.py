@@ -187,18 +187,20 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _keep_loaded_moments(optimizer: CPUAdam, state_dict: dict[str, Any]) -> None:
+    """Each parameter's moments in ``state_dict``, matched to the parameter
+    as torch's load matches them (the saved groups' ids, in order)."""
+    saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    param_of = dict(zip(saved_ids, params))
     optimizer._loaded_moments = {
-        index: {k: state[k] for k in _MOMENTS if isinstance(state.get(k), torch.Tensor)}
-        for index, state in state_dict.get("state", {}).items()
+        param_of[index]: {k: state[k] for k in _MOMENTS if isinstance(state.get(k), torch.Tensor)}
+        for index, state in state_dict.get("state", {}).items() if index in param_of
     }
 
 
 def _restore_loaded_moments(optimizer: CPUAdam) -> None:
-    loaded = optimizer.__dict__.pop("_loaded_moments", {})
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, moments in loaded.items():
-        if isinstance(index, int) and index < len(params) and params[index] in optimizer.state:
-            p = params[index]
+    for p, moments in optimizer.__dict__.pop("_loaded_moments", {}).items():
+        if p in optimizer.state:
             for key, value in moments.items():
                 optimizer.state[p][key] = value.to(dtype=optimizer.state_dtype_of(p), device=p.device)
 

@@ -213,7 +213,7 @@ class Planner:
         table.add("buffers", DEVICE, self.model.buffer_bytes(precision))
         _working_memory(layout, policies, cfg, precision, self.device, self.host_available, table)
         if cfg.checkpoint.async_save:
-            table.add("checkpoint_copy", HOST, _checkpoint_copy(layout, self.model.buffer_bytes(precision)))
+            table.add("checkpoint_copy", HOST, _checkpoint_copy(layout, self.model.buffer_bytes(precision), precision))
         if self.activations is not None:
             table.add("activations", DEVICE, self.activations)
         return MemoryEstimate(
@@ -516,14 +516,15 @@ def _working_memory(
         _optimizer_swap_pools(layout, policies, host_available, precision.master_dtype.itemsize, table)
 
 
-def _checkpoint_copy(layout: Layout, buffer_bytes: int) -> int:
+def _checkpoint_copy(layout: Layout, buffer_bytes: int, precision: MixedPrecision) -> int:
     """The bytes of rank 0's checkpoint tensors, which an asynchronous save
-    copies (zcore.checkpoint.rank_payload): the fp32 master and Adam's two
-    moments of the trained elements of its shards, frozen parameters (stage
+    copies (zcore.checkpoint.rank_payload): the master and Adam's two
+    moments of the trained elements of its shards, in their dtypes, frozen parameters (stage
     3: its shards of frozen groups; stages 0-2: whole, which rank 0 writes)
     and buffers (rank 0 writes them). The RNG state and the 64-byte
     alignment of each tensor (a few KiB) are left out."""
-    trained = (FP32 + ADAM_MOMENTS * FP32) * sum(u.trained_elements for u in layout.trained)
+    per_element = precision.master_dtype.itemsize + ADAM_MOMENTS * precision.state_dtype.itemsize
+    trained = per_element * sum(u.trained_elements for u in layout.trained)
     frozen = layout.frozen_bytes + sum(g.shard_numel * g.dtype.itemsize for g in layout.shards if not g.trainable)
     return trained + frozen + buffer_bytes
 

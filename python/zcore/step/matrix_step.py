@@ -33,6 +33,7 @@ with the counting process group.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -41,7 +42,7 @@ import torch
 from zcore.comm import collectives as comm
 from zcore.comm.topology import RankGroup
 from zcore.errors import CheckpointError, ConfigError, InvalidStateError
-from zcore.optim.matrix_optimizer import MatrixAndElementwise
+from zcore.optim.matrix_optimizer import MatrixAndElementwise, MatrixOptimizer
 from zcore.step.sharded_optimizer import FusedCpuUpdate, MasterShards, TorchUpdate, UnitShards
 from zcore.step.units import Unit
 
@@ -76,20 +77,27 @@ def assign_owners(costs: list[float], ranks: int) -> list[int]:
     return owners
 
 
+def matrix_cost(rule: MatrixOptimizer, shape: torch.Size) -> float:
+    """The cost of one ``direction`` on a parameter of ``shape`` as the
+    optimizer sees it (``matrix_view``): a batch of matrices costs each."""
+    view = rule.matrix_view(torch.empty(shape, device="meta")).shape
+    return float(math.prod(view[:-2]) * rule.cost(view[-2], view[-1]))
+
+
 def plan_matrices(
-    units: list[Unit], group_of: dict[int, int], cost: Any, shards: int, shard_rank: int
+    units: list[Unit], group_of: dict[int, int], rule: MatrixOptimizer, shards: int, shard_rank: int
 ) -> list[Matrix]:
     """The matrices among the units' parameters (``group_of``: id of each
-    matrix parameter -> its group; ``cost(rows, cols)``: the optimizer's,
-    zcore.optim.matrix_optimizer), with the ranges each of ``shards``
-    ranks holds and their owners. ``shards`` 1: every rank holds and
-    computes every matrix (stage 0, or a world of one)."""
+    matrix parameter -> its group; ``rule``: the optimizer, whose costs
+    balance the owners), with the ranges each of ``shards`` ranks holds and
+    their owners. ``shards`` 1: every rank holds and computes every matrix
+    (stage 0, or a world of one)."""
     found = []
     for u, unit in enumerate(units):
         for i, p in enumerate(unit.params):
             if id(p) in group_of:
                 found.append((u, i, group_of[id(p)], unit.shapes[i]))
-    owners = assign_owners([float(cost(shape[0], shape.numel() // shape[0])) for *_, shape in found], shards)
+    owners = assign_owners([matrix_cost(rule, shape) for *_, shape in found], shards)
     matrices = []
     for index, ((u, i, group, shape), owner) in enumerate(zip(found, owners)):
         unit = units[u]
@@ -337,7 +345,7 @@ def matrix_step(
     group_of = {id(p): g for g, params in enumerate(group_params[: inner.matrix_groups]) for p in params}
     sharded = any(u.shard_numel < u.padded_numel for u in units)
     shards = shard.size if sharded else 1
-    matrices = plan_matrices(units, group_of, inner.matrix.cost, shards, shard.rank if sharded else 0)
+    matrices = plan_matrices(units, group_of, inner.matrix, shards, shard.rank if sharded else 0)
     return MatrixStep(inner, master, matrices, shard, sharded, comm_device, home)
 
 

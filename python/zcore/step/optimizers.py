@@ -237,6 +237,7 @@ def build_optimizer(
     if isinstance(cfg.optimizer, (OneBitAdamConfig, ZeroOneAdamConfig)):
         compressed = _compressed_adam(cfg.optimizer, piece_groups)
         _check_compressed(compressed, cfg, offload)
+        _take_state_dtype(compressed, cfg, offload)
         return compressed
     if isinstance(cfg.optimizer, MuonConfig):
         built = _muon_and_adamw(piece_groups, groups.matrix_groups, cfg.optimizer.params.ns_method, offload)
@@ -356,18 +357,21 @@ def _check_swappable(optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -
         )
 
 
-def _take_state_dtype(optimizer: torch.optim.Optimizer, cfg: Config, offload: OffloadPolicy) -> None:
+def _take_state_dtype(
+    optimizer: torch.optim.Optimizer, cfg: Config, offload: OffloadPolicy, whole: Optional[torch.optim.Optimizer] = None
+) -> None:
     """The optimizer's moments in the dtype the config asks
     (bf16.bf16_optimizer_states): zcore's CPUAdam keeps any; a torch
     optimizer keeps its states in its parameters' (the master's) dtype, so
-    bf16 master weights beside fp32 moments need CPUAdam, as in DeepSpeed."""
+    bf16 master weights beside fp32 moments need CPUAdam, as in DeepSpeed.
+    ``whole``: the optimizer ``optimizer`` is part of (for the message)."""
     bf16 = cfg.bf16
     states = torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32
     if isinstance(optimizer, MatrixAndElementwise):
         parts: list[torch.optim.Optimizer] = [optimizer.matrix]
         parts += [optimizer.elementwise] if optimizer.elementwise is not None else []
         for part in parts:
-            _take_state_dtype(part, cfg, offload)
+            _take_state_dtype(part, cfg, offload, whole=optimizer)
         return
     if isinstance(optimizer, CPUAdam):
         if optimizer.state_dtype is not None and optimizer.state_dtype != states:
@@ -379,15 +383,22 @@ def _take_state_dtype(optimizer: torch.optim.Optimizer, cfg: Config, offload: Of
         optimizer.state_dtype = states
         return
     if bf16.bf16_master_weights_and_grads and not bf16.bf16_optimizer_states:
-        where = (
-            "set zero_optimization.offload_optimizer.device to 'cpu' (zcore's CPU Adam keeps fp32 moments beside "
-            "bf16 weights)" if offload.optimizer is Tier.DEVICE and not isinstance(optimizer, MatrixAndElementwise)
-            else "use an Adam or AdamW optimizer section, which steps with zcore's CPU Adam"
-        )
+        if isinstance(whole, MatrixAndElementwise) and optimizer is whole.matrix:
+            otherwise = ""  # Muon's momentum follows its parameters on every tier
+        elif offload.optimizer is Tier.DEVICE:
+            otherwise = (
+                ", or set zero_optimization.offload_optimizer.device to 'cpu' (zcore's CPU Adam keeps fp32 "
+                "moments beside bf16 weights)"
+            )
+        else:
+            otherwise = (
+                ", or let zcore's CPU Adam step (an Adam or AdamW optimizer section without torch_adam, or "
+                "zcore.optim.CPUAdam), which keeps fp32 moments beside bf16 weights"
+            )
         raise ConfigError(
             f"bf16.bf16_master_weights_and_grads without bf16_optimizer_states keeps fp32 moments beside bf16 "
             f"master weights, but {type(optimizer).__name__} keeps its states in its parameters' dtype (bf16): set "
-            f"bf16.bf16_optimizer_states to true, or {where}"
+            f"bf16.bf16_optimizer_states to true{otherwise}"
         )
 
 

@@ -166,10 +166,12 @@ class TorchUpdate:
 
     def scale_grads(self, coefficient: float) -> None:
         """The attached gradients times ``coefficient``; a cast one is
-        scaled in its source's precision and rounded once."""
-        for source, shard in self.grads:
+        scaled in its source's precision and rounded once (and is then the
+        pieces' gradient alone: a later call scales it as it is)."""
+        for i, (source, shard) in enumerate(self.grads):
             if shard is not source:
                 torch.mul(source, coefficient, out=shard)
+                self.grads[i] = (shard, shard)
             elif coefficient != 1.0:
                 shard.mul_(coefficient)
 

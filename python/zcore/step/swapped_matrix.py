@@ -8,8 +8,9 @@ order of the optimizer's ``state_keys``. Owner compute
 direction exists, so a step streams the sub-groups twice:
 
 1. those holding a stepping matrix's runs: premix each run (its momentum
-   updated in place, written back), its result kept in host memory, this
-   rank's ranges of the matrices in the exchange dtype;
+   updated, written back), its result kept in host memory, this rank's
+   ranges of the matrices in the exchange dtype; a unit's gradient shard is
+   held from its first such sub-group to its last;
 2. the exchange with the owners and their directions (MatrixStep);
 3. every sub-group, as the Adam-only step streams them: each matrix run
    takes its step from its direction (``apply_``) before Adam steps the
@@ -17,7 +18,8 @@ direction exists, so a step streams the sub-groups twice:
 
 The matrices' sub-groups are read and written twice a step, the others
 once; host memory holds the premixed ranges and directions of this rank's
-matrix elements (2 bytes each for Muon) beside the streamed sub-groups.
+matrix elements (in the exchange dtype: 2 bytes each for Muon, 4 with
+"gram") beside the streamed sub-groups and the gradient shards in use.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class SwappedMatrixUpdate(SwappedAdamUpdate):
             s.key: s for s in self.master.sub_groups
             if s.numel > 0 and any((r.unit, r.piece) in by_piece for r in s.runs)
         }
+        # Each unit's gradient shard is dropped after the last sub-group of these that needs it.
+        last_key = {r.unit: key for key, sub in subs.items() for r in sub.runs if (r.unit, r.piece) in by_piece}
         self._grads.clear()
         for key, states in self.master.swap.stream(subs, read_ahead=self._read_ahead, write_behind=self._write_behind):
             sub = subs[key]
@@ -82,17 +86,23 @@ class SwappedMatrixUpdate(SwappedAdamUpdate):
                 part = rows[:, run.offset : run.offset + run.numel]
                 grad = self._grad(run)
                 grad = (grad * coefficient if coefficient != 1.0 else grad).to(part.dtype)
-                state = {k: part[row] for k, row in self._rows.items()}
+                views = {k: part[row] for k, row in self._rows.items()}
+                state = dict(views)
                 mixed = self.rule.premix(grad, state, groups[m.group])
-                if state.keys() != self._rows.keys():
+                if state.keys() != views.keys():
                     raise InvalidStateError(
                         f"{type(self.rule).__name__}.premix keeps the per-element states {sorted(state)}, but its "
-                        f"state_keys declare {sorted(self._rows)}: with the optimizer's states on NVMe only declared "
+                        f"state_keys declare {sorted(views)}: with the optimizer's states on NVMe only declared "
                         "states rest there; declare them in state_keys (at most two)"
                     )
+                for k, view in views.items():
+                    if state[k] is not view:  # replaced rather than updated in place
+                        view.copy_(state[k])
                 lo = run.unit_start - units[run.unit].pieces[run.piece].shard_start
                 mine[m.index][lo : lo + run.numel].copy_(mixed)
                 self._mark(self.master.pieces[run.unit][run.piece])
+            for u in [u for u, last in last_key.items() if last == key]:
+                self._grads.pop(u, None)
             del states, rows
         self._grads.clear()
         return mine
