@@ -21,6 +21,9 @@ ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 \
 rm -rf build/asan/site
 mkdir -p build/asan/site
 cp -r python/zcore build/asan/site/
+# A module already in the tree (a developer's link to .venv's build) would
+# take the copy below through the link: removed first.
+rm -f build/asan/site/zcore/_C*.so
 cp build/asan/bindings/_C*.so build/asan/site/zcore/
 # Python is not built with ASan, so its runtime is preloaded, with libstdc++
 # ahead of torch's loading (ASan's __cxa_throw interceptor needs it at start).
