@@ -3,7 +3,9 @@ zcore stage 3 against FSDP2 (``fully_shard`` per block and the root) and
 DDP, each eager and compiled, in the same run.
 
 Every system trains the demo GPT (6 layers, d_model 512, vocab 8192, seq
-256, tied LM head) with micro-batch 4 in fp32, each rank on one thread,
+256, tied LM head) with micro-batch 4 in fp32 (or, with ``--precision
+bf16``, computing in bf16 over fp32 weights: zcore's bf16, FSDP2's
+MixedPrecisionPolicy, DDP under torch.autocast), each rank on one thread,
 with torch.optim.AdamW. Compiled: zcore's ``engine.compile()`` (each block
 compiled, gathered as one unit), FSDP2's blocks compiled after
 ``fully_shard`` (``block.compile()``, as torchtitan does), DDP's model
@@ -16,6 +18,7 @@ the cache the first round left (warm).
     python bench/compile_step.py [--steps 8] [--warmup 3] [--repeats 2] [--systems ...]
     python bench/compile_step.py --device cuda --world 1    # on a lent GPU
     python bench/compile_step.py --tiny --steps 2 --repeats 1 # a 4-block d_model 64 GPT: does it run
+    python bench/compile_step.py --precision bf16              # bf16 compute (AMX or AVX-512 bf16 matmuls)
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ SYSTEMS = ["ddp", "ddp-compiled", "fsdp2", "fsdp2-compiled", "zcore-3", "zcore-3
 MICRO_BATCH = 4
 
 
-def _build(system: str, model, device: str):
+def _build(system: str, model, device: str, precision: str):
     """Returns (forward, backward, step) callables for one system."""
     import torch.distributed as dist
 
     compiled = system.endswith("-compiled")
+    bf16 = precision == "bf16"
     if system.startswith("zcore"):
         import zcore
 
@@ -48,6 +52,7 @@ def _build(system: str, model, device: str):
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": 3},
             "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": bf16},
         }
         engine, *_ = zcore.initialize(model=model, config=config, optimizer=opt)
         if compiled:
@@ -56,13 +61,14 @@ def _build(system: str, model, device: str):
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     model.to(device)
     if system.startswith("fsdp2"):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block)
+            fully_shard(block, mp_policy=policy)
             if compiled:
                 block.compile()
-        fully_shard(model)
+        fully_shard(model, mp_policy=policy)
         wrapped = model
     else:
         from torch.nn.parallel import DistributedDataParallel
@@ -76,7 +82,11 @@ def _build(system: str, model, device: str):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return wrapped, lambda loss: loss.backward(), step
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16 and not system.startswith("fsdp2")):
+            return wrapped(tokens)
+
+    return forward, lambda loss: loss.backward(), step
 
 
 def _config(tiny: bool):
@@ -86,7 +96,7 @@ def _config(tiny: bool):
 
 
 def _train(
-    rank: int, world: int, system: str, steps: int, warmup: int, device: str, tiny: bool
+    rank: int, world: int, system: str, steps: int, warmup: int, device: str, tiny: bool, precision: str
 ) -> tuple[list[float], float]:
     """One rank of one system: (every step's time, last loss)."""
     from zcore.demo.gpt import GPT, lm_loss
@@ -96,7 +106,7 @@ def _train(
     cfg = _config(tiny)
     torch.manual_seed(0)
     model = GPT(cfg)
-    forward, backward, step = _build(system, model, device)
+    forward, backward, step = _build(system, model, device, precision)
     gen = torch.Generator().manual_seed(rank)
     times = []
     for _ in range(warmup + steps):
@@ -113,10 +123,12 @@ def _train(
     return times, float(loss.detach())
 
 
-def run_system(system: str, steps: int, warmup: int, device: str, world: int, cache: str, tiny: bool) -> dict:
+def run_system(
+    system: str, steps: int, warmup: int, device: str, world: int, cache: str, tiny: bool, precision: str
+) -> dict:
     """One system on fresh ranks: its step times, or {"error": ...}."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, system)  # the ranks inherit it
-    results = run_local_ranks(_train, world, system, steps, warmup, device, tiny, timeout=3600)
+    results = run_local_ranks(_train, world, system, steps, warmup, device, tiny, precision, timeout=3600)
     if isinstance(results, dict):
         return results
     # A step ends when the slowest rank ends it.
@@ -140,17 +152,20 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT, to check that the benchmark runs")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     world = args.world or (2 if args.device == "cpu" else 1)
 
     with tempfile.TemporaryDirectory(prefix="zcore-compile-cache-") as cache:
         runs, failed = interleaved_rounds(
             args.systems, args.repeats,
-            lambda system: run_system(system, args.steps, args.warmup, args.device, world, cache, args.tiny),
+            lambda system: run_system(
+                system, args.steps, args.warmup, args.device, world, cache, args.tiny, args.precision
+            ),
             lambda r: f"{r['median_ms']:.0f} ms, first step {r['first_s']:.1f} s",
         )
     median = {s: statistics.median(r["median_ms"] for r in rs) for s, rs in runs.items()}
-    print(f"\nGPT {_param_count(args.tiny) / 1e6:.1f}M params, fp32, {world} rank(s) on {args.device}, micro-batch "
+    print(f"\nGPT {_param_count(args.tiny) / 1e6:.1f}M params, {args.precision}, {world} rank(s) on {args.device}, micro-batch "
           f"{MICRO_BATCH}, {args.steps} timed steps x {args.repeats} round(s)")
     print(f"{'system':18}{'step ms (median)':>18}{'range':>14}{'vs eager':>10}{'vs fsdp2-c':>12}"
           f"{'1st step s cold':>17}{'warm':>7}")
