@@ -20,7 +20,7 @@
 #   gpu_copy   bench/gpu_copy.py: host-device copies through zcore's offload
 #              paths against pinned cudaMemcpyAsync; device copy bandwidth
 #              (both: tables and BENCH_JSON lines into $OUT/bench.json)
-#   compile_step  bench/compile_step.py on the GPU: zcore stage 3 eager and
+#   compile_step  bench/compile_step.py on the GPU in bf16: zcore stage 3 eager and
 #              compiled against FSDP2 compiled, one round (first-step compile
 #              time cold, then the step time)
 #   sanitizer  compute-sanitizer memcheck on the CUDA C++ tests and the CUDA
@@ -426,10 +426,10 @@ step_gpu_copy() {
 step_compile_step() {
   set -u
   if [ "$MODE" = rehearse ]; then
-    "$PY" "$REPO/bench/compile_step.py" --tiny --steps 2 --warmup 1 --repeats 1 \
+    "$PY" "$REPO/bench/compile_step.py" --tiny --steps 2 --warmup 1 --repeats 1 --precision bf16 \
       --systems fsdp2-compiled zcore-3 zcore-3-compiled 2>&1 | tee "$STATE/compile_step.txt"
   else
-    "$PY" "$REPO/bench/compile_step.py" --device cuda --world 1 --steps 6 --warmup 2 --repeats 1 \
+    "$PY" "$REPO/bench/compile_step.py" --device cuda --world 1 --steps 6 --warmup 2 --repeats 1 --precision bf16 \
       --systems fsdp2-compiled zcore-3 zcore-3-compiled 2>&1 | tee "$STATE/compile_step.txt"
   fi
   exit "${PIPESTATUS[0]}"
