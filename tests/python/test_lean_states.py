@@ -138,42 +138,45 @@ def test_bf16_master_weights_train_as_their_reference_at_stages_1_to_3(lean_runs
         assert_matches(got, reference, LOSS_TOLERANCE, label, PARAM_TOLERANCE)
 
 
-def one_step(rank: int, world: int, tier: str, bf16_states: bool) -> dict:
+def one_step(rank: int, world: int, tier: str, bf16_states: bool, device: str) -> dict:
     """The inputs of the third optimizer step at stage 1 (bf16 master
     shards, moments, fp32 gradient shards: no clipping, no loss scale) and
-    the master shards it leaves."""
-    devices.init_process_group("cpu")
+    the master shards it leaves, on the CPU."""
+    on = devices.init_process_group(device)
     config = lean_config(1, tier, bf16_states, "")
     config["gradient_clipping"] = 0.0
     engine, _, _, _ = zcore.initialize(model=make_model("gpt"), config=config)
+    devices.assert_on(engine, device)
     optimizer = engine.optimizer
     for step in range(3):
         x, y = global_batch("gpt", step, 8)
         for m in range(GAS):
             part = rows(m, GAS)
-            engine.backward(loss_of("gpt", forward("gpt", engine, x[part], step, 0), y[part]))
+            engine.backward(loss_of("gpt", forward("gpt", engine, x[part].to(on), step, 0), y[part].to(on)))
             if m == GAS - 1 and step == 2:
                 before = {
-                    "master": [s.clone() for s in optimizer.master.shards],
-                    "grads": [optimizer.reducer.grad_shard(u).clone() for u in range(len(optimizer.units))],
-                    "states": {i: {k: v.clone() for k, v in optimizer.inner.state[piece].items()}
+                    "master": [s.cpu().clone() for s in optimizer.master.shards],
+                    "grads": [optimizer.reducer.grad_shard(u).cpu().clone() for u in range(len(optimizer.units))],
+                    "states": {i: {k: v.cpu().clone() for k, v in optimizer.inner.state[piece].items()}
                                for i, piece in enumerate(optimizer.inner.param_groups[0]["params"])},
                     "pieces": [(u, meta.shard_start, meta.numel) for u, unit in enumerate(optimizer.units)
                                for meta in unit.pieces],
                 }
             engine.step()
-    after = [s.clone() for s in optimizer.master.shards]
+    after = [s.cpu().clone() for s in optimizer.master.shards]
     engine.destroy()
     return {"before": before, "after": after}
 
 
 @pytest.mark.parametrize("tier, bf16_states", TIERS[:3], ids=[f"{t}-{'bf16' if b else 'fp32'}-moments" for t, b in TIERS[:3]])
-def test_one_step_is_its_reference_to_the_bit(tier, bf16_states):
-    """One optimizer step on the engine's own inputs (world 1): on the
-    device, torch's AdamW over bf16 tensors; on the host, torch's fp32
-    AdamW on the upcast values rounded once, to the bit but where torch's
-    sqrt (MKL's, not correctly rounded) moves a rounding by one ulp."""
-    (got,) = run_ranks(one_step, 1, tier, bf16_states, launcher=False, timeout=300)
+@pytest.mark.device
+def test_one_step_is_its_reference_to_the_bit(tier, bf16_states, device):
+    """One optimizer step on the engine's own inputs (world 1, on the test
+    device): on the device, torch's AdamW over bf16 tensors, there; on the
+    host, torch's fp32 AdamW on the upcast values rounded once, to the bit
+    but where torch's sqrt (MKL's, not correctly rounded) moves a rounding
+    by one ulp."""
+    (got,) = run_ranks(one_step, 1, tier, bf16_states, device, launcher=False, timeout=300)
     before = got["before"]
     assert before["master"][0].dtype == torch.bfloat16
     expected = [m.clone() for m in before["master"]]
@@ -181,10 +184,11 @@ def test_one_step_is_its_reference_to_the_bit(tier, bf16_states):
         state = before["states"][i]
         grad = before["grads"][u][start : start + numel]
         master = expected[u][start : start + numel]
-        if tier == "none":
-            p = master.clone().requires_grad_()
+        if tier == "none":  # where the engine stepped: the test device
+            p = master.to(device, copy=True).requires_grad_()
             opt = torch.optim.AdamW([p], lr=LR, weight_decay=WEIGHT_DECAY)
-            p.grad = grad.bfloat16()
+            p.grad = grad.to(device).bfloat16()
+            state = {k: v.to(device) if v.dim() else v for k, v in state.items()}
         else:
             p = master.float().requires_grad_()
             opt = torch.optim.AdamW([p], lr=LR, weight_decay=WEIGHT_DECAY)
@@ -192,7 +196,7 @@ def test_one_step_is_its_reference_to_the_bit(tier, bf16_states):
             state = {k: v.float() for k, v in state.items()}
         opt.state[p] = {k: v.clone() for k, v in state.items()}
         opt.step()
-        master.copy_(p.detach())
+        master.copy_(p.detach().cpu())
     for u, (want, have) in enumerate(zip(expected, got["after"])):
         equal = (want == have).float().mean().item()
         assert equal == 1.0 if tier == "none" else equal > 0.999, f"unit {u}: {equal:.6f} of the elements equal"
