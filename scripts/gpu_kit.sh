@@ -46,9 +46,11 @@ debs=(
 #  - torch, tqdm, xxhash (the Python package), pytest, pytest-timeout,
 #    hypothesis, numpy, safetensors, accelerate 1.15.0, tensorboard,
 #    matplotlib, scikit-build-core, pybind11, cmake, ninja are there.
+#  - hjson is missing there (zcore reads DeepSpeed's config files with it).
 #  - wandb is not, and is not carried: its wheel and its own needs (GitPython,
 #    sentry-sdk, platformdirs...) are large, and only a monitor test uses it.
 wheels=(
+  hjson==3.1.0
   pydantic==2.14.4
   pydantic-core==2.50.5
   annotated-types==0.8.0
