@@ -101,7 +101,8 @@ from lightning_utilities import apply_to_collection
 from torch.optim import Optimizer
 
 from zcore.comm.collectives import init_distributed
-from zcore.config.schema import Config, config_dict, load_config
+from zcore.config.files import config_dict
+from zcore.config.schema import Config, load_config
 from zcore.engine.engine import Engine
 from zcore.engine.initialize import initialize
 from zcore.errors import CheckpointError, ConfigError, InvalidStateError

@@ -69,7 +69,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from zcore.checkpoint.directory import LATEST
 from zcore.checkpoint.pretrained import load_pretrained, save_pretrained
 from zcore.comm.collectives import DistributedContext, init_distributed
-from zcore.config.schema import Config, config_dict, load_config
+from zcore.config.files import config_dict
+from zcore.config.schema import Config, load_config
 from zcore.engine.engine import Engine
 from zcore.errors import ConfigError
 from zcore.optim.lr_schedules import SCHEDULES

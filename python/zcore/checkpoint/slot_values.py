@@ -45,10 +45,7 @@ class SlotValues:
         if not state:
             return None
         if self.swapped:
-            rows = self.rows(slot.piece)
-            return {
-                **{k: v for k, v in state.items() if k not in rows}, **{k: slot.data for k in resting_keys(state, rows)}
-            }
+            return _swapped_state(state, self.rows(slot.piece), lambda row: slot.data)
         return state
 
     def rows(self, piece: torch.Tensor) -> dict[str, int]:
@@ -81,11 +78,7 @@ class SlotValues:
             if not state:
                 yield slot, states[0], None
                 continue
-            rows = self.rows(piece)
-            yield slot, states[0], {
-                **{k: v for k, v in state.items() if k not in rows},
-                **{k: states[rows[k]] for k in resting_keys(state, rows)},
-            }
+            yield slot, states[0], _swapped_state(state, self.rows(piece), lambda row: states[row])
 
     def frozen(self, slot: Slot) -> torch.Tensor:
         """A frozen parameter's or buffer's values."""
@@ -96,3 +89,10 @@ class SlotValues:
             self._group, self._shard = group.index, self._residency.read_shard(group.index)
         assert self._shard is not None
         return self._shard[slot.shard_start : slot.shard_start + slot.data.numel()]
+
+
+def _swapped_state(state: dict, rows: dict[str, int], value_of: Any) -> dict:
+    """A piece's state with its states on NVMe: its scalars, and each ranged
+    state as ``value_of(row)`` gives it."""
+    kept = {k: v for k, v in state.items() if k not in rows}
+    return {**kept, **{k: value_of(rows[k]) for k in resting_keys(state, rows)}}

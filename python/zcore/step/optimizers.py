@@ -194,7 +194,8 @@ def build_optimizer(
     groups: ParamGroups,
     pieces: dict[int, list[torch.nn.Parameter]],
 ) -> torch.optim.Optimizer:
-    """The optimizer over master pieces, with the user's group hyper-parameters."""
+    """The optimizer over master pieces, with the user's group
+    hyper-parameters, keeping its moments in the configured dtype."""
     piece_groups = [
         {**g, "params": [piece for p in g["params"] for piece in pieces.get(id(p), [])]}
         for g in groups.groups
@@ -204,11 +205,23 @@ def build_optimizer(
             "an optimizer is both configured (config key 'optimizer') and passed to "
             "zcore.initialize(optimizer=...); keep one"
         )
+    if optimizer is not None:
+        built = _given_optimizer(optimizer, cfg, offload, piece_groups)
+    else:
+        built = _configured_optimizer(cfg, offload, piece_groups, groups.matrix_groups)
+    _take_state_dtype(built, cfg, offload)
+    return built
+
+
+def _given_optimizer(
+    optimizer: Union[torch.optim.Optimizer, Callable], cfg: Config, offload: OffloadPolicy, piece_groups: list[dict]
+) -> torch.optim.Optimizer:
+    """The optimizer passed to zcore.initialize, or the one its callable
+    builds, over the pieces."""
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_compressed(optimizer, cfg, offload)
         _check_elementwise(optimizer, cfg)
         _check_swappable(optimizer, offload)
-        _take_state_dtype(optimizer, cfg, offload)
         # Re-point the user's optimizer (so schedulers built on it keep working).
         for group, new in zip(optimizer.param_groups, piece_groups):
             group["params"] = new["params"]
@@ -218,17 +231,22 @@ def build_optimizer(
         else:
             _remake_construction_state(optimizer)
         return optimizer
-    if optimizer is not None:
-        built = optimizer(piece_groups)
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
-            )
-        _check_compressed(built, cfg, offload)
-        _check_elementwise(built, cfg)
-        _check_swappable(built, offload)
-        _take_state_dtype(built, cfg, offload)
-        return built
+    built = optimizer(piece_groups)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(
+            f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
+        )
+    _check_compressed(built, cfg, offload)
+    _check_elementwise(built, cfg)
+    _check_swappable(built, offload)
+    return built
+
+
+def _configured_optimizer(
+    cfg: Config, offload: OffloadPolicy, piece_groups: list[dict], matrix_groups: int
+) -> torch.optim.Optimizer:
+    """The config's optimizer section's optimizer over the pieces
+    (``matrix_groups``: the first groups, a configured Muon's)."""
     if cfg.optimizer is None:
         raise ConfigError(
             "no optimizer: add an 'optimizer' section to the config (type Adam or AdamW) or pass "
@@ -237,12 +255,10 @@ def build_optimizer(
     if isinstance(cfg.optimizer, (OneBitAdamConfig, ZeroOneAdamConfig)):
         compressed = _compressed_adam(cfg.optimizer, piece_groups)
         _check_compressed(compressed, cfg, offload)
-        _take_state_dtype(compressed, cfg, offload)
         return compressed
     if isinstance(cfg.optimizer, MuonConfig):
-        built = _muon_and_adamw(piece_groups, groups.matrix_groups, cfg.optimizer.params.ns_method, offload)
+        built = _muon_and_adamw(piece_groups, matrix_groups, cfg.optimizer.params.ns_method, offload)
         _check_swappable(built, offload)
-        _take_state_dtype(built, cfg, offload)
         return built
     p = cfg.optimizer.params
     decoupled = cfg.optimizer.decoupled_weight_decay
@@ -254,15 +270,12 @@ def build_optimizer(
         )
     if offload.optimizer is not Tier.DEVICE and not p.torch_adam:
         # ZeRO-Offload: zcore's fused CPU kernel on the host master shards.
-        built = CPUAdam(
+        return CPUAdam(
             piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
             decoupled_weight_decay=decoupled,
         )
-    else:
-        kind = torch.optim.AdamW if decoupled else torch.optim.Adam
-        built = kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
-    _take_state_dtype(built, cfg, offload)
-    return built
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return kind(piece_groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
 
 
 def _muon_and_adamw(

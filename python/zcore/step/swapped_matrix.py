@@ -33,7 +33,9 @@ from zcore.optim.matrix_optimizer import MatrixAndElementwise
 from zcore.step.grad_reduction import GradientReducer
 from zcore.step.matrix_step import Matrix, MatrixStep
 from zcore.step.sharded_optimizer import UnitShards
-from zcore.step.swapped_optimizer import STATES, SubGroup, SwappedAdamUpdate, SwappedMaster
+from zcore.step.swapped_optimizer import (
+    STATES, SubGroup, SwappedAdamUpdate, SwappedMaster, mark_resting, matrix_rows,
+)
 
 
 class SwappedMatrixUpdate(SwappedAdamUpdate):
@@ -48,7 +50,7 @@ class SwappedMatrixUpdate(SwappedAdamUpdate):
         self.matrix = matrix
         self.rule = inner.matrix
         self._matrix_of = {(m.unit, m.piece): m for m in matrix.matrices if m.piece is not None}
-        self._rows = {key: row for row, key in enumerate(self.rule.state_keys, start=1)}
+        self._rows = matrix_rows(self.rule)
         # This rank's range of each stepping matrix's direction, during a step.
         self._back: dict[int, torch.Tensor] = {}
 
@@ -100,20 +102,13 @@ class SwappedMatrixUpdate(SwappedAdamUpdate):
                         view.copy_(state[k])
                 lo = run.unit_start - units[run.unit].pieces[run.piece].shard_start
                 mine[m.index][lo : lo + run.numel].copy_(mixed)
-                self._mark(self.master.pieces[run.unit][run.piece])
+                piece = self.master.pieces[run.unit][run.piece]
+                mark_resting(self.inner.state[piece], list(self._rows), piece)
             for u in [u for u, last in last_key.items() if last == key]:
                 self._grads.pop(u, None)
             del states, rows
         self._grads.clear()
         return mine
-
-    def _mark(self, piece: torch.nn.Parameter) -> None:
-        """The piece's state says which ranged states rest on NVMe
-        (zcore.step.swapped_optimizer.resting_state)."""
-        state = self.inner.state[piece]
-        for key in self._rows:
-            if key not in state:
-                state[key] = torch.empty_like(piece, device="meta")
 
     def _step_matrices(self, sub: SubGroup, states: torch.Tensor) -> None:
         """Pass 3: each matrix run in ``sub`` takes its step."""

@@ -36,7 +36,7 @@ from zcore.memory.host_memory import PAGE_ALIGNMENT
 from zcore.optim import CPUAdam
 from zcore.optim.adam import group_config
 from zcore.optim.functional import adam_step
-from zcore.optim.matrix_optimizer import MatrixAndElementwise
+from zcore.optim.matrix_optimizer import MatrixAndElementwise, MatrixOptimizer
 from zcore.step.units import Unit
 from zcore.step.sharded_optimizer import TorchUpdate, UnitShards, pieces_by_param
 from zcore.memory.swap import SwapManager
@@ -265,14 +265,19 @@ class SwappedMaster:
             raise InvalidStateError("the optimizer's sub-groups were not all given their values at start-up")
 
 
+def matrix_rows(rule: MatrixOptimizer) -> dict[str, int]:
+    """The rows where a whole-matrix optimizer's per-element states rest."""
+    return {key: row for row, key in enumerate(rule.state_keys, start=1)}
+
+
 def state_rows(inner: torch.optim.Optimizer) -> Callable[[torch.Tensor], dict[str, int]]:
     """For a piece of ``inner``'s, the rows of its sub-groups where its
     ranged optimizer states rest on NVMe, by state key."""
     if not isinstance(inner, MatrixAndElementwise):
         return lambda piece: ADAM_ROWS
-    matrix_rows = {key: row for row, key in enumerate(inner.matrix.state_keys, start=1)}
+    rows = matrix_rows(inner.matrix)
     matrix_pieces = {id(p) for g in inner.matrix.param_groups for p in g["params"]}
-    return lambda piece: matrix_rows if id(piece) in matrix_pieces else ADAM_ROWS
+    return lambda piece: rows if id(piece) in matrix_pieces else ADAM_ROWS
 
 
 def resting_keys(state: dict, rows: dict[str, int]) -> list[str]:
@@ -285,11 +290,18 @@ def resting_keys(state: dict, rows: dict[str, int]) -> list[str]:
 def resting_state(state: dict, rows: dict[str, int], like: torch.Tensor) -> dict:
     """What the optimizer keeps in memory of a piece's state whose ranged
     values rest on NVMe: its scalars (Adam's step), and for a state without
-    a step (Muon's) a meta tensor like ``like`` per ranged key."""
+    a step (Muon's) a marker per ranged key (``mark_resting``)."""
     kept = {key: value for key, value in state.items() if key not in rows}
     if "step" not in state:
-        kept.update({key: torch.empty_like(like, device="meta") for key in rows if key in state})
+        mark_resting(kept, [key for key in rows if key in state], like)
     return kept
+
+
+def mark_resting(state: dict, keys: list[str], like: torch.Tensor) -> None:
+    """Puts a meta tensor like ``like`` in ``state`` for each of ``keys``
+    it lacks: those ranged states rest on NVMe."""
+    for key in keys:
+        state.setdefault(key, torch.empty_like(like, device="meta"))
 
 
 class SwappedAdamUpdate(TorchUpdate):
