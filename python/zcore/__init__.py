@@ -4,6 +4,9 @@ The native core (``zcore._C``) decides what lives where and moves bytes; this
 package wires it into PyTorch.
 """
 
+# torch before the native module: loaded first, zcore._C's CUDA runtime and
+# CCCL symbols made torch 2.11+cu130's own import crash (GPU check, 2026-11-28).
+import torch  # noqa: F401
 import zcore._C  # noqa: F401 - the native module loads with the package
 from zcore.memory.aio import AioEngine, IoHandle
 from zcore.memory.arena import Arena, Block

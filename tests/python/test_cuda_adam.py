@@ -94,23 +94,34 @@ def test_bf16_master_weights_and_moments_equal_the_cpu_kernel_bit_for_bit(state_
 
 @pytest.mark.cuda
 @needs_gpu
-def test_multi_tensor_step_matches_torch_fused_adamw() -> None:
+def test_multi_tensor_step_is_as_close_to_float64_adamw_as_torchs_fused() -> None:
+    # Two fp32 formulas drift apart over 200 steps (on an H200, one element in
+    # seven ended 3e-6 from torch's fused AdamW), so neither is the other's
+    # reference: torch's AdamW in float64 is, and zcore's error from it must be
+    # no larger than torch's fused kernel's (x2, plus one fp32 ulp).
     params, _, _ = random_state(SIZES)
     ours = [p.cuda() for p in params]
     exp_avgs = [torch.zeros_like(p) for p in ours]
     exp_avg_sqs = [torch.zeros_like(p) for p in ours]
-    ref = [p.cuda().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
+    fused = [p.cuda().requires_grad_() for p in params]
+    exact = [p.cuda().double().requires_grad_() for p in params]
+    fused_opt = torch.optim.AdamW(fused, lr=1e-3, weight_decay=0.01, fused=True)
+    exact_opt = torch.optim.AdamW(exact, lr=1e-3, weight_decay=0.01, foreach=False)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(1, 201):
         grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in ours]
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
-        opt.step()
+        for f, e, g in zip(fused, exact, grads):
+            f.grad = g.clone()
+            e.grad = g.double()
+        fused_opt.step()
+        exact_opt.step()
         zo.adam_step(ADAMW, step, ours, grads, exp_avgs, exp_avg_sqs)
-    for a, b in zip(ours, ref):
-        b = b.detach()
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+    for a, f, e in zip(ours, fused, exact):
+        e = e.detach()
+        ours_error = float((a.double() - e).abs().max())
+        fused_error = float((f.detach().double() - e).abs().max())
+        ulp = torch.finfo(torch.float32).eps * float(e.abs().max())
+        assert ours_error <= 2 * fused_error + ulp, (a.numel(), ours_error, fused_error)
 
 
 @pytest.mark.cuda
