@@ -32,6 +32,21 @@ def test_native_library_does_not_link_libtorch():
     assert "torch" not in needed and "c10" not in needed
 
 
+def test_native_library_exports_none_of_zcores_code():
+    """zcore._C shares its process with torch: its own functions and the
+    GNU unique objects of the headers it compiles (CCCL's, which bind
+    process-wide even under RTLD_LOCAL) stay inside it. Exported, they made
+    torch 2.11+cu130's own import crash when zcore._C was loaded first."""
+    table = subprocess.run(
+        ["readelf", "--dyn-syms", "-W", _C.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    defined = [row.split() for row in table.splitlines() if len(row.split()) == 8 and row.split()[6] != "UND"]
+    assert [r[7] for r in defined if r[4] == "UNIQUE"] == []
+    functions = [r[7] for r in defined if r[3] == "FUNC" and r[4] in ("GLOBAL", "WEAK")]
+    assert "PyInit__C" in functions
+    assert [f for f in functions if "5zcore" in f] == []
+
+
 def test_build_info_is_consistent():
     info = zcore.build_info()
     assert info["version"] == zcore.__version__
