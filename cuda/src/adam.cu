@@ -4,7 +4,9 @@
 // kChunk elements, each block takes chunks in a grid-stride loop and finds
 // the chunk's tensor by binary search over the tensors' first chunks. The
 // tensors' addresses travel in one small stream-ordered copy, so any number
-// of tensors takes one launch.
+// of tensors takes one launch. A tensor whose buffers are aligned for it is
+// read and written four elements per access (16 bytes of fp32): with one
+// element per access the kernel ran at 39% of the copy bandwidth on an H200.
 //
 // The update uses the _rn intrinsics (no contraction into fma except where
 // the CPU kernels use an fma) in the operation order of cpp/src/kernels/adam_simd.h,
@@ -26,7 +28,8 @@ namespace zcore::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kIlp = 4;                    // elements in flight per thread
+constexpr int kIlp = 4;                    // elements in flight per thread, one per access
+constexpr int kVectors = 2;                // groups of four in flight per thread
 constexpr std::int64_t kChunk = 1 << 16;   // elements per chunk
 constexpr int kNoOut = -1;
 
@@ -42,6 +45,7 @@ struct DeviceTensor {
   int out_dtype;             // kNoOut when there is no copy-out
   int param_dtype;
   int state_dtype;
+  bool vectorized;           // every buffer aligned for four elements per access
 };
 
 template <class T>
@@ -75,36 +79,79 @@ __device__ __forceinline__ void adam_element(const AdamScalars& c, float& p, flo
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), denom));
 }
 
+// Elements [begin, end) of t, one per access.
+__device__ __forceinline__ void step_elements(const DeviceTensor& t, const AdamScalars& c,
+                                              std::int64_t begin, std::int64_t end) {
+  for (std::int64_t base = begin; base < end; base += kThreads * kIlp) {
+    float p[kIlp], g[kIlp], m[kIlp], v[kIlp];
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const std::int64_t i = base + k * kThreads + threadIdx.x;
+      if (i < end) {
+        p[k] = load_as_float(t.params, i, t.param_dtype);
+        g[k] = load_as_float(t.grads, i, t.grad_dtype);
+        m[k] = load_as_float(t.exp_avg, i, t.state_dtype);
+        v[k] = load_as_float(t.exp_avg_sq, i, t.state_dtype);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const std::int64_t i = base + k * kThreads + threadIdx.x;
+      if (i < end) {
+        adam_element(c, p[k], g[k], m[k], v[k]);
+        store_from_float(t.params, i, t.param_dtype, p[k]);
+        store_from_float(t.exp_avg, i, t.state_dtype, m[k]);
+        store_from_float(t.exp_avg_sq, i, t.state_dtype, v[k]);
+        store_from_float(t.params_out, i, t.out_dtype, p[k]);
+      }
+    }
+  }
+}
+
+// Elements [begin, end) of t, four per access; begin and end - begin are
+// multiples of 4. All groups of a pass are loaded before any is stepped.
+__device__ __forceinline__ void step_vectors(const DeviceTensor& t, const AdamScalars& c,
+                                             std::int64_t begin, std::int64_t end) {
+  constexpr std::int64_t kPass = std::int64_t{4} * kThreads * kVectors;
+  for (std::int64_t base = begin + 4 * threadIdx.x; base < end; base += kPass) {
+    float p[kVectors][4], g[kVectors][4], m[kVectors][4], v[kVectors][4];
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      const std::int64_t i = base + std::int64_t{4} * kThreads * k;
+      if (i < end) {
+        load4_as_float(t.params, i, t.param_dtype, p[k]);
+        load4_as_float(t.grads, i, t.grad_dtype, g[k]);
+        load4_as_float(t.exp_avg, i, t.state_dtype, m[k]);
+        load4_as_float(t.exp_avg_sq, i, t.state_dtype, v[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      const std::int64_t i = base + std::int64_t{4} * kThreads * k;
+      if (i < end) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) adam_element(c, p[k][e], g[k][e], m[k][e], v[k][e]);
+        store4_from_float(t.params, i, t.param_dtype, p[k]);
+        store4_from_float(t.exp_avg, i, t.state_dtype, m[k]);
+        store4_from_float(t.exp_avg_sq, i, t.state_dtype, v[k]);
+        store4_from_float(t.params_out, i, t.out_dtype, p[k]);
+      }
+    }
+  }
+}
+
 __global__ void adam_kernel(const DeviceTensor* tensors, int count, std::int64_t chunks,
                             AdamScalars c) {
   for (std::int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const DeviceTensor t = tensors[find_owner(tensors, count, chunk)];
     const std::int64_t begin = (chunk - t.first_chunk) * kChunk;
     const std::int64_t end = min(begin + kChunk, t.numel);
-    for (std::int64_t base = begin; base < end; base += kThreads * kIlp) {
-      float p[kIlp], g[kIlp], m[kIlp], v[kIlp];
-#pragma unroll
-      for (int k = 0; k < kIlp; ++k) {
-        const std::int64_t i = base + k * kThreads + threadIdx.x;
-        if (i < end) {
-          p[k] = load_as_float(t.params, i, t.param_dtype);
-          g[k] = load_as_float(t.grads, i, t.grad_dtype);
-          m[k] = load_as_float(t.exp_avg, i, t.state_dtype);
-          v[k] = load_as_float(t.exp_avg_sq, i, t.state_dtype);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kIlp; ++k) {
-        const std::int64_t i = base + k * kThreads + threadIdx.x;
-        if (i < end) {
-          adam_element(c, p[k], g[k], m[k], v[k]);
-          store_from_float(t.params, i, t.param_dtype, p[k]);
-          store_from_float(t.exp_avg, i, t.state_dtype, m[k]);
-          store_from_float(t.exp_avg_sq, i, t.state_dtype, v[k]);
-          store_from_float(t.params_out, i, t.out_dtype, p[k]);
-        }
-      }
+    std::int64_t scalar_begin = begin;
+    if (t.vectorized) {
+      scalar_begin = begin + ((end - begin) & ~std::int64_t{3});
+      step_vectors(t, c, begin, scalar_begin);
     }
+    step_elements(t, c, scalar_begin, end);
   }
 }
 
@@ -137,6 +184,12 @@ __global__ void sum_sq_kernel(const DeviceBuffer* buffers, int count, std::int64
 }
 
 std::int64_t chunks_of(std::int64_t numel) { return (numel + kChunk - 1) / kChunk; }
+
+// Four elements of `dtype` per access need the buffer aligned to their bytes
+// (chunks start at multiples of four elements). No buffer is no constraint.
+bool aligned_for_vectors(const void* data, DType dtype) {
+  return data == nullptr || reinterpret_cast<std::uintptr_t>(data) % (4 * dtype_size(dtype)) == 0;
+}
 
 // A CTA per chunk, up to 8 CTAs per multiprocessor.
 int grid_for(std::int64_t chunks) { return grid_size(chunks, 8); }
@@ -180,7 +233,11 @@ void adam_step(const AdamOptions& options, const std::vector<AdamTensor>& tensor
         t.params, t.grads, t.exp_avg, t.exp_avg_sq, t.params_out, t.numel, chunks,
         static_cast<int>(t.grad_dtype),
         t.params_out == nullptr ? kNoOut : static_cast<int>(t.out_dtype),
-        static_cast<int>(t.param_dtype), static_cast<int>(t.state_dtype)});
+        static_cast<int>(t.param_dtype), static_cast<int>(t.state_dtype),
+        aligned_for_vectors(t.params, t.param_dtype) && aligned_for_vectors(t.grads, t.grad_dtype) &&
+            aligned_for_vectors(t.exp_avg, t.state_dtype) &&
+            aligned_for_vectors(t.exp_avg_sq, t.state_dtype) &&
+            aligned_for_vectors(t.params_out, t.out_dtype)});
     chunks += chunks_of(t.numel);
   }
   if (chunks == 0) return;

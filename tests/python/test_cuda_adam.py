@@ -74,6 +74,35 @@ def test_multi_tensor_step_equals_the_cpu_kernel_bit_for_bit(
 
 @pytest.mark.cuda
 @needs_gpu
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_views_at_any_offset_of_a_flat_buffer_equal_the_cpu_kernel_bit_for_bit(
+    grad_dtype: torch.dtype, out_dtype: torch.dtype | None
+) -> None:
+    """The engine's pieces are views of flat shards: consecutive views of
+    SIZES start at offsets 0, 1, 8, 4107, ..., so some are aligned for four
+    elements per access and some are not, in the same launch."""
+    flat = [t.cuda() for t in (torch.cat(ts) for ts in random_state(SIZES, seed=5))]
+    flat.insert(1, torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(6)).to(grad_dtype).cuda())
+    if out_dtype is not None:
+        flat.append(torch.empty(sum(SIZES), dtype=out_dtype, device="cuda"))
+    on_cpu = [t.cpu() for t in flat]
+
+    def views(buffers: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        return [list(b.split(SIZES)) for b in buffers]
+
+    dev, cpu = views(flat), views(on_cpu)
+    assert any(v.data_ptr() % 16 for v in dev[0]) and any(v.data_ptr() % 16 == 0 for v in dev[0])
+    for step in (1, 2, 3):
+        zo.adam_step(ADAMW, step, *cpu[:4], params_out=cpu[4] if out_dtype else None, grad_scale=0.5)
+        zo.adam_step(ADAMW, step, *dev[:4], params_out=dev[4] if out_dtype else None, grad_scale=0.5)
+    torch.cuda.synchronize()
+    for k in (0, 2, 3) + ((4,) if out_dtype else ()):
+        assert torch.equal(flat[k].cpu(), on_cpu[k]), k
+
+
+@pytest.mark.cuda
+@needs_gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_master_weights_and_moments_equal_the_cpu_kernel_bit_for_bit(state_dtype: torch.dtype) -> None:
     """bf16 master weights (and moments): upcast, stepped in fp32, rounded once, on either device."""
