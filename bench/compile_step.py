@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from _ranks import interleaved_rounds, run_local_ranks
 
@@ -39,7 +40,6 @@ MICRO_BATCH = 4
 
 def _build(system: str, model, device: str, precision: str):
     """Returns (forward, backward, step) callables for one system."""
-    import torch.distributed as dist
 
     compiled = system.endswith("-compiled")
     bf16 = precision == "bf16"
@@ -120,7 +120,9 @@ def _train(
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times, float(loss.detach())
+    last = float(loss.detach())
+    dist.destroy_process_group()  # NCCL warns of leaked resources otherwise
+    return times, last
 
 
 def run_system(

@@ -28,7 +28,7 @@
 # Each step is timed ("[step] name ... 12.3 s  pass"); a failed step does not
 # stop the ones that can still run; the script exits 1 if any step failed.
 # $OUT gets: gpu_check.log, summary.json, bench.json and the junit XML files.
-# Steps stop at a shared deadline (ZCORE_CHECK_BUDGET_S, 345 s on the GPU).
+# Steps stop at a shared deadline (ZCORE_CHECK_BUDGET_S, 360 s on the GPU).
 #
 # usage: scripts/gpu_check.sh            on the GPU machine ($OUT set by the tool)
 #        scripts/gpu_check.sh --rehearse on a development machine (see below)
@@ -77,7 +77,7 @@ if [ "$MODE" = gpu ]; then
   export SCRATCH=${ZCORE_CHECK_SCRATCH:-$REPO/build/gpu-check}
   export PY=${PYTHON:-python3}
   export JOBS=${ZCORE_CHECK_JOBS:-$(nproc)}
-  budget=${ZCORE_CHECK_BUDGET_S:-345}
+  budget=${ZCORE_CHECK_BUDGET_S:-360}
   cap_scale=${ZCORE_CHECK_CAP_SCALE:-1}
   export OUT=${OUT:-$SCRATCH/out}
 else
