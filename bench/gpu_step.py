@@ -33,7 +33,9 @@ torch.cuda.synchronize() to the next (forward, backward, optimizer step and
 the loss's .item()); the table shows the median. Memory: the peak of
 torch.cuda.max_memory_allocated over the timed steps (reset after warm-up),
 and over the whole config (model build and engine set-up included), and the
-memory allocated between steps (what stays resident); the host's peak RSS.
+memory allocated between steps (what stays resident), beside which the zcore
+configs print their own memory_report's device figures at the same moment;
+the host's peak RSS.
 "loss" is the last step's, a check that every config trains the same model.
 
 The table is printed as markdown; the last line is ``BENCH_JSON {...}`` (every
@@ -165,6 +167,7 @@ def build_step(config: str, model: torch.nn.Module, device: torch.device, micro_
         engine.step()
         return loss
 
+    step.engine = engine  # its memory_report, beside the allocator's figures
     return step
 
 
@@ -195,8 +198,15 @@ def child(config: str, args: argparse.Namespace) -> dict:
     t_setup = time.perf_counter()
     step = build_step(config, model, device, args.micro_batch)
     setup_s = time.perf_counter() - t_setup
-    times, losses, resident, peak_before = [], [], 0, 0
+    times, losses, resident, peak_before, reported = [], [], 0, 0, None
     for i, (x, y) in enumerate(batches):
+        if i == args.warmup and getattr(step, "engine", None) is not None:
+            from zcore.observe.memory_report import DEVICE
+
+            figures = step.engine.memory_report().measured_tiers[DEVICE]
+            reported = {k: round(v / GIB, 3) for k, v in vars(figures).items()} | {
+                "total": round(figures.total / GIB, 3)
+            }
         if i == args.warmup and device.type == "cuda":
             sync(device)
             resident = torch.cuda.memory_allocated(device)
@@ -221,6 +231,7 @@ def child(config: str, args: argparse.Namespace) -> dict:
         "losses": losses,
         "loss": losses[-1],
         "resident_gib": round(resident / GIB, 3) if device.type == "cuda" else None,
+        "zcore_reported_device_gib": reported,  # zcore's memory_report, when resident was read
         "peak_steps_gib": round(peak_steps / GIB, 3) if device.type == "cuda" else None,
         "peak_all_gib": round(max(peak_before, peak_steps) / GIB, 3) if device.type == "cuda" else None,
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), 3),
@@ -338,6 +349,11 @@ def main() -> int:
         print(f"| {r['config']} | {r['median_ms']:.1f} | {rel} | {tps:,.0f} | {fmt(r['peak_steps_gib'])} "
               f"| {fmt(r['peak_all_gib'])} | {fmt(r['resident_gib'])} | {r['host_peak_rss_gib']:.2f} "
               f"| {r['setup_s']:.1f} | {r['loss']:.4f} |")
+    for r in results:
+        if r.get("zcore_reported_device_gib"):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r["zcore_reported_device_gib"].items())
+            print(f"{r['config']}: memory_report on the device between steps, GiB: {parts} "
+                  f"(allocator: {fmt(r['resident_gib'])})")
     summary = {
         "bench": "gpu_step",
         "tiny": args.tiny,
