@@ -13,8 +13,11 @@
 #   cuda       zcore and torch see the GPU
 #   ctest      the C++ tests (junit: $OUT/ctest.xml)
 #   pytest     ZCORE_TEST_DEVICE=cuda pytest -m "device or cuda" (junit: $OUT/pytest.xml)
-#   bench_adam, bench_quantize   bench/gpu_adam.py and bench/quantize.py at
-#              small sizes, their tables into the log and $OUT/bench.json
+#   sanitizer  compute-sanitizer memcheck on the CUDA C++ tests and the CUDA
+#              Adam and quantization pytest tests ($OUT/sanitize-pytest.xml)
+#   bench_adam, bench_gpu_quantize, bench_quantize   bench/gpu_adam.py,
+#              bench/gpu_quantize.py (the CUDA kernels) and bench/quantize.py
+#              (the host's), their tables into the log and $OUT/bench.json
 #   gpu_step   bench/gpu_step.py: one training step of a 355M GPT, torch,
 #              FSDP2, zcore stage 3 (optimizer on the device, and on the host)
 #   gpu_copy   bench/gpu_copy.py: host-device copies through zcore's offload
@@ -23,8 +26,6 @@
 #   compile_step  bench/compile_step.py on the GPU in bf16: zcore stage 3 eager and
 #              compiled against FSDP2 compiled, one round (first-step compile
 #              time cold, then the step time)
-#   sanitizer  compute-sanitizer memcheck on the CUDA C++ tests and the CUDA
-#              Adam and quantization pytest tests ($OUT/sanitize-pytest.xml)
 # Each step is timed ("[step] name ... 12.3 s  pass"); a failed step does not
 # stop the ones that can still run; the script exits 1 if any step failed.
 # $OUT gets: gpu_check.log, summary.json, bench.json and the junit XML files.
@@ -394,6 +395,18 @@ step_bench_adam() {
   exit "$rc"
 }
 
+step_bench_gpu_quantize() {
+  set -u
+  # int8/int4 of fp32 and bf16 tensors of 256 MiB (past the L2), against torch ops and the copy bound.
+  "$PY" "$REPO/bench/gpu_quantize.py" --sizes-mib 256 --repeats 10 2>&1 | tee "$STATE/bench_gpu_quantize.txt"
+  local rc=${PIPESTATUS[0]}
+  if [ "$MODE" = rehearse ] && grep -q "no usable GPU" "$STATE/bench_gpu_quantize.txt"; then
+    echo "skip: no GPU here (the script ran up to its GPU check)"
+    exit 77
+  fi
+  exit "$rc"
+}
+
 step_gpu_step() {
   set -u
   # 4 configs, each in a fresh process; the script skips (or kills) the
@@ -443,13 +456,13 @@ step_bench_quantize() {
   set -u
   # bench/quantize.py times zcore's CPU quantization (the host side of qwZ/qgZ).
   local threads="1 2"
-  [ "$MODE" = gpu ] && threads="1 8"
+  [ "$MODE" = gpu ] && threads="8"
   # shellcheck disable=SC2086
-  "$PY" "$REPO/bench/quantize.py" --sizes-mib 1 16 --threads $threads --repeats 3 2>&1 | tee "$STATE/bench_quantize.txt"
+  "$PY" "$REPO/bench/quantize.py" --sizes-mib 16 --threads $threads --repeats 3 2>&1 | tee "$STATE/bench_quantize.txt"
   exit "${PIPESTATUS[0]}"
 }
 
-export -f step_env step_debs step_wheels step_build step_cuda step_ctest step_pytest step_sanitizer step_bench_adam step_bench_quantize \
+export -f step_env step_debs step_wheels step_build step_cuda step_ctest step_pytest step_sanitizer step_bench_adam step_bench_gpu_quantize step_bench_quantize \
   step_gpu_step step_gpu_copy step_compile_step pytest_timeout_arg
 
 step env 30 step_env
@@ -465,19 +478,21 @@ step build 240 step_build debs
 step cuda 30 step_cuda build
 step ctest 90 step_ctest build
 step pytest 210 step_pytest build
+# Correctness before the benchmarks: memcheck took 19.6 s on an H200
+# (Firecracker); where it refuses the device (gVisor) it skips at once.
+step sanitizer 60 step_sanitizer build
 step bench_adam 60 step_bench_adam build
+step bench_gpu_quantize 40 step_bench_gpu_quantize build
 step gpu_step 100 step_gpu_step build
 step gpu_copy 30 step_gpu_copy build
 step bench_quantize 45 step_bench_quantize build
 step compile_step 90 step_compile_step build
-# Last: the least certain (compute-sanitizer refused the device on gVisor
-# machines) and the slowest per test; it gets what the deadline leaves.
-step sanitizer 120 step_sanitizer build
 
 echo
 # PYTHONPATH stays unset here: the report needs only the standard library.
 "$PY" "$REPO/scripts/gpu_report.py" summary --steps "$STATE/steps.tsv" --out "$OUT" --mode "$MODE" \
-  --env "$STATE/env.txt" --bench "gpu_adam=$STATE/bench_adam.txt" --bench "quantize=$STATE/bench_quantize.txt" \
+  --env "$STATE/env.txt" --bench "gpu_adam=$STATE/bench_adam.txt" --bench "gpu_quantize=$STATE/bench_gpu_quantize.txt" \
+  --bench "quantize=$STATE/bench_quantize.txt" \
   --bench "gpu_step=$STATE/gpu_step.txt" --bench "gpu_copy=$STATE/gpu_copy.txt" \
   --bench "compile_step=$STATE/compile_step.txt"
 rc=$?
