@@ -30,7 +30,6 @@ import pytest
 import zcore
 from zcore.config import keys as config_keys
 from zcore.config import load_config
-from zcore.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -1,6 +1,7 @@
 """Memory per rank: optimizer states shard as 12 bytes x parameters / world
-size (fp32 Adam: master, exp_avg, exp_avg_sq), and stage 2 keeps no
-full-size fp32 gradient; with offload, each category is counted on the tier
+size (fp32 Adam: master, exp_avg, exp_avg_sq), stage 2 keeps no full-size
+fp32 gradient, and stages 2-3 hold their gradient shards only from backward
+to the step; with offload, each category is counted on the tier
 the policy puts it on (device, host, NVMe), as the theory says."""
 
 import pytest
@@ -39,9 +40,54 @@ def test_optimizer_states_shard_by_world_size(world):
             )
             assert report.trainable_parameters == params
             if stage == 2:
-                # This rank's fp32 gradient shard only (padding aside).
-                assert report.measured.gradients <= 1.05 * 4 * params / world
+                # No full-size fp32 gradient, and between steps no shard either.
+                assert report.measured.gradients == 0
             assert "optimizer_states" in str(report)
+
+
+def gradients_through_a_step(rank, world, stage):
+    """Device gradient bytes after a forward, after its backward and after
+    the step, on the second step; and zcore's estimate's figures."""
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
+    }
+    engine, _, _, _ = zcore.initialize(model=wide_mlp(), config=config)
+    seen = []
+    for step in range(2):
+        x = torch.randn(4, 200, generator=torch.Generator().manual_seed(step * 10 + rank))
+        y = engine(x)
+        after_forward = engine.memory_report().measured_tiers["device"].gradients
+        engine.backward(y.pow(2).mean())
+        after_backward = engine.memory_report().measured_tiers["device"].gradients
+        engine.step()
+        seen.append((after_forward, after_backward, engine.memory_report().measured_tiers["device"].gradients))
+    estimate = zcore.estimate_memory(wide_mlp(), config, world, device="cpu").tiers["device"]
+    return seen[-1], (estimate.gradients, estimate.gradient_shards)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_shards_live_from_backward_to_the_step_at_stages_2_and_3(stage):
+    """As DeepSpeed frees its fp32 partition gradients after the step and
+    FSDP2 its sharded ones at zero_grad: at stages 2-3 a forward runs with
+    no gradient in memory, backward makes this rank's fp32 shard (4 bytes
+    per element of it, padding aside), the step frees it; the estimate
+    counts it as working memory. Stage 1 keeps its full-size accumulator
+    and reduced shard throughout, as a model state."""
+    world = 2
+    params = sum(p.numel() for p in wide_mlp().parameters())
+    for rank, ((forward, backward, stepped), (held, working)) in enumerate(
+        run_ranks(gradients_through_a_step, world, stage, timeout=300)
+    ):
+        where = f"stage {stage}, rank {rank}"
+        if stage == 1:
+            assert forward == backward == stepped == held >= 4 * params + 4 * params // world, where
+            assert working == 0, where
+            continue
+        assert forward == 0 and stepped == 0 and held == 0, where
+        assert 4 * params // world <= backward <= 1.05 * 4 * params / world, where
+        assert abs(working - backward) <= 0.05 * backward, where
 
 
 def test_stage0_keeps_everything_on_every_rank():

@@ -224,8 +224,10 @@ def _measure_optimizer_states(optimizer: ShardedOptimizer, tier: Tier, table: _T
 #   good where no step changes it (frozen groups, an engine without
 #   optimizer): between steps, where reports are taken, only those;
 # - gradients, fp32 on the device: a full-size accumulator 4*Psi in stages 0
-#   and 1, plus the reduced shard 4*Psi/N in stage 1; only the shard 4*Psi/N
-#   in stages 2 and 3, which goes to NVMe with the optimizer states there. An optimizer on the host, with a GPU computing, adds
+#   and 1, plus the reduced shard 4*Psi/N in stage 1; in stages 2 and 3 the
+#   shard 4*Psi/N only from an accumulation window's first gradient to the
+#   step, which frees it (none between steps), or on NVMe with the optimizer
+#   states there. An optimizer on the host, with a GPU computing, adds
 #   host copies of the shards in the master's dtype, m*Psi/N (m*Psi in stage 0);
 # - optimizer states: Adam's master (m bytes: 4, or 2 with bf16 master
 #   weights), exp_avg and exp_avg_sq (s bytes each: 4, or 2 with bf16
@@ -263,11 +265,14 @@ def _theory_states(
     psi = sum(u.numel for u in units)
     shards = stage.shard_size if stage.shards_optimizer_states else 1
     shard = psi // shards
-    full_accumulator = 4 * psi if not stage.reduce_scatters_every_micro_step else 0
+    every_micro_step = stage.reduce_scatters_every_micro_step
+    full_accumulator = 4 * psi if not every_micro_step else 0
     reduced = 4 * shard if stage.shards_optimizer_states else 0
-    # With the optimizer on NVMe, stages 2-3 keep the reduced shards there too.
-    swapped = offload.optimizer is Tier.NVME and stage.reduce_scatters_every_micro_step
-    table.add("gradients", DEVICE, full_accumulator + (0 if swapped else reduced))
+    # Stages 2-3 free their reduced shards in memory at each step
+    # (zcore.step.gradient_shards); with the optimizer on NVMe the shards stay
+    # in its swap file.
+    swapped = offload.optimizer is Tier.NVME and every_micro_step
+    table.add("gradients", DEVICE, full_accumulator + (0 if every_micro_step else reduced))
     table.add("gradients", NVME, reduced if swapped else 0)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, m * shard)

@@ -9,7 +9,8 @@ alone (a model on the meta device is never materialised):
   alignment included: stages 0-2 pack trained parameters into units
   (zcore.step.units), stage 3 groups each module's direct parameters
   (zcore.zero3.sharded_group.plan_groups), persistent groups stay gathered;
-- working memory memory_report leaves out: stage 3's gather arena
+- working memory memory_report leaves out: the fp32 gradient shards of
+  stages 2-3 in memory (held from backward to the step), stage 3's gather arena
   (zcore.zero3.gather_buffers), the gradient buckets reduce-scatters send from
   (zcore.step.grad_reduction), staging for offloaded parameter shards and the
   host pools NVMe swaps read through (zcore.zero3.param_fetcher,
@@ -56,7 +57,7 @@ from zcore.step.swapped_optimizer import swap_capacity as optimizer_swap_capacit
 
 ConfigArg = Union[Config, dict, str, Path]
 
-WORKING = ("gather_buffers", "reduce_buckets", "staging_buffers", "checkpoint_copy", "activations")
+WORKING = ("gradient_shards", "gather_buffers", "reduce_buckets", "staging_buffers", "checkpoint_copy", "activations")
 ESTIMATE_CATEGORIES = (*CATEGORIES, *WORKING)
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one element per trained element of the shard
@@ -72,6 +73,7 @@ class EstimateFigures:
     gradients: int = 0
     optimizer_states: int = 0
     buffers: int = 0  # the module's buffers
+    gradient_shards: int = 0  # stages 2-3: the fp32 gradient shards, from backward to the step
     gather_buffers: int = 0  # stage 3's arena for gathered groups
     reduce_buckets: int = 0  # gradients on their way through reduce-scatter (during backward)
     staging_buffers: int = 0  # offloaded shards staged for all-gathers; host pools of NVMe swaps
@@ -442,8 +444,10 @@ def _gradients(
 ) -> None:
     """fp32, on the device: stages 0-1 a full-size accumulator per unit
     (stage 1 plus the reduced shard); stages 2-3 the shard only, on NVMe
-    with an NVMe optimizer. An optimizer on the host, with a GPU computing,
-    keeps host copies of the shards beside it, in the master's dtype."""
+    with an NVMe optimizer, or in memory from backward to the step (working
+    memory: none is held between steps). An optimizer on the host, with a
+    GPU computing, keeps host copies of the shards beside it, in the
+    master's dtype."""
     stage, offload = policies.stage, policies.offload
     trained = layout.trained
     shards = FP32 * sum(u.shard_numel for u in trained)
@@ -453,7 +457,7 @@ def _gradients(
     elif offload.optimizer is Tier.NVME:
         table.add("gradients", NVME, gradient_swap_capacity(trained, PAGE_ALIGNMENT))
     else:
-        table.add("gradients", DEVICE, shards)
+        table.add("gradient_shards", DEVICE, shards)
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, precision.master_dtype.itemsize * sum(u.shard_numel for u in trained))
 

@@ -240,7 +240,7 @@ class GradientReducer:
         raise NotImplementedError
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The gradient buffers held in memory between steps (memory report)."""
+        """The gradient buffers held in memory now (memory report)."""
         raise NotImplementedError
 
     def close(self) -> None:
