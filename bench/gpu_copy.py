@@ -20,7 +20,8 @@ host to device (H2D)
   offload write-back ZeRO-Offload's updated bf16 shard to the device:
                      zcore.step.sharded_optimizer.FusedCpuUpdate's staging
                      tensor written into the group through StoredShards and
-                     ShardStore.write, as after each CPU Adam step
+                     ShardStore.write, as after each CPU Adam step (pin_memory:
+                     true, as gpu_step: page-locked as the master is)
 device to host (D2H)
   torch pinned, torch pageable   as above, the other way
   swap staging       SwapManager.swap_out's first hop: the device tensor
@@ -185,9 +186,8 @@ class Paths:
         return group, update
 
     def offload_writeback(self, nbytes: int) -> tuple[Callable[[], None], bool]:
-        # The master's pinning does not touch this copy (the staging tensor is
-        # the update's own): left unpinned to spare the allocation.
-        group, update = self._offload_update(nbytes // 2, pin_master=False)
+        # pin_memory: true, as gpu_step: the staging tensor is page-locked as the master is.
+        group, update = self._offload_update(nbytes // 2, pin_master=True)
         staging = update.staging[0]
 
         def run() -> None:
