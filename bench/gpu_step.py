@@ -35,7 +35,9 @@ torch.cuda.max_memory_allocated over the timed steps (reset after warm-up),
 and over the whole config (model build and engine set-up included), and the
 memory allocated between steps (what stays resident), beside which the zcore
 configs print their own memory_report's device figures at the same moment;
-the host's peak RSS.
+the host's peak RSS. zcore-3-offload also prints its last step's split by
+phase (wall_clock_breakdown: host wall time of forward, backward, the
+optimizer step and the waits).
 "loss" is the last step's, a check that every config trains the same model.
 
 The table is printed as markdown; the last line is ``BENCH_JSON {...}`` (every
@@ -157,6 +159,10 @@ def build_step(config: str, model: torch.nn.Module, device: torch.device, micro_
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+        # The offload step's split (host wall time per phase, zcore.observe.step_metrics):
+        # under 1% of a step on the CPU (bench/RESULTS.md), a 370 ms step here.
+        "wall_clock_breakdown": config == "zcore-3-offload",
+        "steps_per_print": 10**9,
     })
     if engine.context.device != device:
         raise RuntimeError(f"zcore runs on {engine.context.device}, the benchmark on {device}")
@@ -220,6 +226,7 @@ def child(config: str, args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss)
     peak_steps = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    metrics = getattr(getattr(step, "engine", None), "last_step_metrics", None)
     return {
         "config": config,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -232,6 +239,7 @@ def child(config: str, args: argparse.Namespace) -> dict:
         "loss": losses[-1],
         "resident_gib": round(resident / GIB, 3) if device.type == "cuda" else None,
         "zcore_reported_device_gib": reported,  # zcore's memory_report, when resident was read
+        "last_step_split_ms": None if metrics is None else {k: round(v, 2) for k, v in metrics.time_ms.items()},
         "peak_steps_gib": round(peak_steps / GIB, 3) if device.type == "cuda" else None,
         "peak_all_gib": round(max(peak_before, peak_steps) / GIB, 3) if device.type == "cuda" else None,
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), 3),
@@ -350,6 +358,9 @@ def main() -> int:
               f"| {fmt(r['peak_all_gib'])} | {fmt(r['resident_gib'])} | {r['host_peak_rss_gib']:.2f} "
               f"| {r['setup_s']:.1f} | {r['loss']:.4f} |")
     for r in results:
+        if r.get("last_step_split_ms"):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in r["last_step_split_ms"].items())
+            print(f"{r['config']}: the last step's split (host wall time), ms: {parts}")
         if r.get("zcore_reported_device_gib"):
             parts = ", ".join(f"{k} {v:.2f}" for k, v in r["zcore_reported_device_gib"].items())
             print(f"{r['config']}: memory_report on the device between steps, GiB: {parts} "
