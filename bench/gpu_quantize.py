@@ -11,7 +11,8 @@ of the full-precision tensor), three operations:
 "GB/s" is bytes of the full-precision tensor per second, as bench/quantize.py
 counts, so the columns compare. "% of copy" counts the bytes each operation
 moves (reads and writes: the tensor or the accumulator, the codes and the
-scales) against a device-to-device copy of 1 GiB (read + write). Medians of
+scales) against a device-to-device copy (bench/gpu_adam.py's: 4 GiB, read +
+write). Medians of
 --repeats CUDA-event-timed runs after one warm-up. The torch peer skips
 zcore's zero- and non-finite-block handling (the random data has neither),
 which only flatters it.
@@ -22,16 +23,14 @@ which only flatters it.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 
 import zcore
-from quantize import torch_decode, torch_quantize
+from gpu_adam import copy_bandwidth, timed
+from quantize import MIB, random_tensor, torch_decode, torch_quantize
 from zcore.comm import quantization as zq
-
-MIB = 1 << 20
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,25 +39,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     return parser.parse_args()
-
-
-def timed(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up: the caching allocator, first use of the kernels
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(repeats: int) -> float:
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def moved_bytes(op: str, numel: int, element: int, bits: int, block: int) -> int:
@@ -100,9 +80,8 @@ def main() -> None:
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for mib in args.sizes_mib:
         for dtype in (torch.float32, torch.bfloat16):
-            element = torch.empty(0, dtype=dtype).element_size()
-            numel = max(args.block, int(mib * MIB) // element // args.block * args.block)
-            x = torch.randn(numel, device="cuda").to(dtype)
+            x = random_tensor(mib, dtype, args.block, device="cuda")
+            numel, element = x.numel(), x.element_size()
             for bits in (8, 4):
                 for op in ("quantize", "dequantize", "dequantize_add"):
                     runs = contenders(op, x, bits, args.block)

@@ -97,6 +97,13 @@ def median_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def random_tensor(mib: float, dtype: torch.dtype, block: int, device: str = "cpu") -> torch.Tensor:
+    """About ``mib`` MiB of normal values in ``dtype``, a whole number of blocks."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    numel = max(block, int(mib * MIB) // element // block * block)
+    return torch.randn(numel, device=device).to(dtype)
+
+
 def main() -> None:
     args = parse_args()
     print(f"CPU ISA level: {zo.cpu_isa()}; block {args.block}; medians of {args.repeats}")
@@ -104,9 +111,8 @@ def main() -> None:
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for mib in args.sizes_mib:
         for dtype in (torch.float32, torch.bfloat16):
-            element = torch.empty(0, dtype=dtype).element_size()
-            numel = max(args.block, int(mib * MIB) // element // args.block * args.block)
-            x = torch.randn(numel).to(dtype)
+            x = random_tensor(mib, dtype, args.block)
+            numel, element = x.numel(), x.element_size()
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 for bits in (8, 4):
