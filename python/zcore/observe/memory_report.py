@@ -265,15 +265,12 @@ def _theory_states(
     psi = sum(u.numel for u in units)
     shards = stage.shard_size if stage.shards_optimizer_states else 1
     shard = psi // shards
-    every_micro_step = stage.reduce_scatters_every_micro_step
-    full_accumulator = 4 * psi if not every_micro_step else 0
     reduced = 4 * shard if stage.shards_optimizer_states else 0
-    # Stages 2-3 free their reduced shards in memory at each step
-    # (zcore.step.gradient_shards); with the optimizer on NVMe the shards stay
-    # in its swap file.
-    swapped = offload.optimizer is Tier.NVME and every_micro_step
-    table.add("gradients", DEVICE, full_accumulator + (0 if every_micro_step else reduced))
-    table.add("gradients", NVME, reduced if swapped else 0)
+    if not stage.reduce_scatters_every_micro_step:
+        table.add("gradients", DEVICE, 4 * psi + reduced)  # the full-size accumulator and stage 1's shard
+    elif offload.optimizer is Tier.NVME:
+        table.add("gradients", NVME, reduced)
+    # Otherwise (stages 2-3 in memory) the step frees the shards (zcore.step.gradient_shards).
     if offload.optimizer is Tier.HOST and device.type != "cpu":
         table.add("gradients", HOST, m * shard)
     table.add("optimizer_states", TIER_NAMES[offload.optimizer], (m + 2 * s) * shard)

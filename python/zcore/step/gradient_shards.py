@@ -25,12 +25,13 @@ from zcore.step.units import Unit
 from zcore.memory.swap import SwapManager
 
 
-def squared_norm_of(shards: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of squares of every shard, as a float64 scalar on their device.
+def squared_norm_of(shards: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The sum of squares of every shard, as a float64 scalar on their device
+    (``device``, or the CPU, for no shard).
     Summed in float64: the global norm, and so the clipping coefficient in
     fp32, is then the same however the gradients are sharded (a matrix
     optimizer's bfloat16 iteration turns a last-bit difference into a visible one)."""
-    device = shards[0].device if shards else torch.device("cpu")
+    device = shards[0].device if shards else device or torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for shard in shards:
         squares += squared_norm(shard)
@@ -64,10 +65,7 @@ class ResidentGradients:
         return shard
 
     def squared_norm(self) -> torch.Tensor:
-        held = [s for s in self.shards if s is not None]
-        if not held:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return squared_norm_of(held)
+        return squared_norm_of(self.tensors(), self.device)
 
     def zero(self) -> None:
         self.shards = [None] * len(self.units)
