@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zcore.comm import collectives as comm
 from zcore.config.policies import Policies, policies_from_config
 from zcore.config.schema import Config, load_config
-from zcore.engine import assemble
+from zcore.engine import assemble, fragments
 from zcore.engine.assemble import OptimizerArg
 from zcore.engine.compiled_units import unwrap_compiled
 from zcore.engine.engine import Engine
@@ -121,6 +121,7 @@ def initialize(
         )
     else:
         engine, sharded, scheduler = assemble.inference_engine(parts), None, None
+    fragments.track(engine)
     _WRAPPED.add(model)
     return engine, sharded, assemble.data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), scheduler
 

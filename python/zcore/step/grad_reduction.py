@@ -232,6 +232,10 @@ class GradientReducer:
         """The averaged fp32 gradient of this rank's shard (valid at the boundary)."""
         raise NotImplementedError
 
+    def put_grad_shard(self, unit: int, values: torch.Tensor) -> None:
+        """``values`` (``grad_shard(unit)``, changed) are the unit's gradient shard from now on."""
+        raise NotImplementedError
+
     def squared_norm(self) -> torch.Tensor:
         """The sum of squares of this rank's gradient shards (float64 scalar)."""
         raise NotImplementedError
@@ -316,6 +320,10 @@ class AccumulateThenReduce(GradientReducer):
 
     def grad_shard(self, unit: int) -> torch.Tensor:
         return self.shards[unit]
+
+    def put_grad_shard(self, unit: int, values: torch.Tensor) -> None:
+        if values is not self.shards[unit]:
+            self.shards[unit].copy_(values)
 
     def squared_norm(self) -> torch.Tensor:
         return squared_norm_of(self.shards)
@@ -405,6 +413,9 @@ class ReduceScatterEveryMicroStep(GradientReducer):
 
     def grad_shard(self, unit: int) -> torch.Tensor:
         return self.grads.get(unit)
+
+    def put_grad_shard(self, unit: int, values: torch.Tensor) -> None:
+        self.grads.put(unit, values)
 
     def squared_norm(self) -> torch.Tensor:
         return self.grads.squared_norm()

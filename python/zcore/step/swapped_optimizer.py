@@ -223,17 +223,44 @@ class SwappedMaster:
 
     def write_unit(self, unit: int, values: torch.Tensor) -> None:
         """``values`` (the unit's shard) become its master values on disk."""
+        for sub, runs, states in self._sub_groups_of(lambda r: r.unit == unit):
+            for r in runs:
+                states[0, r.offset : r.offset + r.numel].copy_(values[r.unit_start : r.unit_start + r.numel])
+            self.swap.swap_out(sub.key, states)
+            self.swap.wait(sub.key)
+
+    def read_piece(self, unit: int, piece: int) -> torch.Tensor:
+        """One piece's [master, exp_avg, exp_avg_sq] ([STATES, numel] of
+        ``dtype``), read from the sub-groups that hold it only."""
+        meta = self.units[unit].pieces[piece]
+        out = torch.empty(STATES, meta.numel, dtype=self.dtype)
+        for _, runs, states in self._sub_groups_of(lambda r: r.unit == unit and r.piece == piece):
+            for r in runs:
+                start = r.unit_start - meta.shard_start
+                out[:, start : start + r.numel].copy_(states[:, r.offset : r.offset + r.numel])
+        return out
+
+    def write_piece(self, unit: int, piece: int, row: int, values: torch.Tensor) -> None:
+        """``values`` (the piece's elements) into row ``row`` of its states on disk."""
+        meta = self.units[unit].pieces[piece]
+        for sub, runs, states in self._sub_groups_of(lambda r: r.unit == unit and r.piece == piece):
+            for r in runs:
+                start = r.unit_start - meta.shard_start
+                states[row, r.offset : r.offset + r.numel].copy_(values[start : start + r.numel])
+            self.swap.swap_out(sub.key, states)
+            self.swap.wait(sub.key)
+
+    def _sub_groups_of(self, selected: Callable[[Run], bool]) -> Iterator[tuple[SubGroup, list[Run], torch.Tensor]]:
+        """Each sub-group with runs ``selected``, those runs, and its states
+        read in ([STATES, numel]), one sub-group at a time."""
         for sub in self.sub_groups:
-            runs = [r for r in sub.runs if r.unit == unit]
+            runs = [r for r in sub.runs if selected(r)]
             if not runs:
                 continue
             states = self.swap.swap_in(sub.key)
             self.swap.wait(sub.key)
-            master = states.view(STATES, sub.numel)[0]
-            for r in runs:
-                master[r.offset : r.offset + r.numel].copy_(values[r.unit_start : r.unit_start + r.numel])
-            self.swap.swap_out(sub.key, states)
-            self.swap.wait(sub.key)
+            yield sub, runs, states.view(STATES, sub.numel)
+            del states
 
     def take(self, unit: int, values: torch.Tensor) -> None:
         """At start-up, unit by unit in order: ``values`` (the unit's shard,

@@ -1,0 +1,176 @@
+"""DeepSpeed's ``deepspeed.utils`` names, for code written against DeepSpeed:
+the tensor-fragment calls that read and write one parameter's master
+weights, optimizer states and gradient although ZeRO cuts them across the
+ranks, and the leaf-module helpers.
+
+    from zcore.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    engine.backward(loss)
+    grad = safe_get_full_grad(p)                 # every rank: a collective
+    engine.step()
+    exp_avg = safe_get_full_optimizer_state(p, "exp_avg")
+
+What each returns, and when (zcore.engine.fragments):
+
+- ``safe_get_full_*``: the whole value in fp32 on the engine's device, on
+  every rank. A collective over the data-parallel ranks: call it on all of
+  them, for the same parameters in the same order.
+- ``safe_set_full_*``: every rank gives the same whole value and keeps its
+  own part of it; not a collective.
+- ``safe_get_local_*`` / ``safe_set_local_*``: this rank's part, 1-D (empty
+  where the rank holds none of the parameter). At stages 1-3 the parts of
+  the ranks, in rank order, make up the whole flattened value; at stage 0
+  every rank's part is the whole.
+- Master weights: at any time; a write reaches the model's parameters at
+  the next optimizer step, as in DeepSpeed (to change the parameters now,
+  write them in ``zcore.GatheredParameters(params, modifier_rank=0)``).
+- Optimizer states (``"exp_avg"``, ``"exp_avg_sq"``): from the parameter's
+  first step on.
+- Gradients (averaged over the ranks, in fp32; under fp16 still multiplied
+  by the loss scale, as DeepSpeed holds them): from the ``engine.backward()``
+  that ends an accumulation window until ``engine.step()``; None outside a
+  window; refused inside one. A written gradient is what the step applies.
+- A parameter zcore does not train (frozen, or outside the optimizer's
+  groups) gives None, and writes to it do nothing, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from zcore.engine import fragments
+from zcore.engine.fragments import MASTER
+from zcore.errors import InvalidArgumentError
+from zcore.zero3.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
+
+__all__ = [
+    "get_z3_leaf_modules",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+]
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The whole fp32 master weights of ``param``. Collective."""
+    target = fragments.locate(param, "safe_get_full_fp32_param", writes=False)
+    return None if target is None else fragments.full(target, MASTER)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` (the whole parameter) becomes ``param``'s master weights."""
+    target = fragments.locate(param, "safe_set_full_fp32_param", writes=True)
+    if target is not None:
+        fragments.set_full(target, MASTER, value, "safe_set_full_fp32_param")
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    """The whole optimizer state ``optim_state_key`` (``"exp_avg"``) of ``param``, in fp32. Collective."""
+    target = fragments.locate(param, "safe_get_full_optimizer_state", writes=False)
+    return None if target is None else fragments.full(target, _key(optim_state_key))
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """``value`` (the whole parameter's) becomes optimizer state ``optim_state_key`` of ``param``."""
+    target = fragments.locate(param, "safe_set_full_optimizer_state", writes=True)
+    if target is not None:
+        fragments.set_full(target, _key(optim_state_key), value, "safe_set_full_optimizer_state")
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The whole fp32 gradient of ``param`` (None where there is none). Collective."""
+    target = fragments.locate(param, "safe_get_full_grad", writes=False)
+    return None if target is None else fragments.full_grad(target)
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` (the whole parameter's) becomes the gradient the step applies to ``param``."""
+    target = fragments.locate(param, "safe_set_full_grad", writes=True)
+    if target is not None:
+        fragments.set_full_grad(target, value, "safe_set_full_grad")
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's part of ``param``'s fp32 master weights, 1-D."""
+    target = fragments.locate(param, "safe_get_local_fp32_param", writes=False)
+    return None if target is None else fragments.local(target, MASTER)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` becomes this rank's part of ``param``'s master weights."""
+    target = fragments.locate(param, "safe_set_local_fp32_param", writes=True)
+    if target is not None:
+        fragments.set_local(target, MASTER, value, "safe_set_local_fp32_param")
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's part of optimizer state ``optim_state_key`` of ``param``, 1-D in fp32."""
+    target = fragments.locate(param, "safe_get_local_optimizer_state", writes=False)
+    return None if target is None else fragments.local(target, _key(optim_state_key))
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """``value`` becomes this rank's part of optimizer state ``optim_state_key`` of ``param``."""
+    target = fragments.locate(param, "safe_set_local_optimizer_state", writes=True)
+    if target is not None:
+        fragments.set_local(target, _key(optim_state_key), value, "safe_set_local_optimizer_state")
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's part of ``param``'s fp32 gradient, 1-D (None where there is none)."""
+    target = fragments.locate(param, "safe_get_local_grad", writes=False)
+    return None if target is None else fragments.local_grad(target)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` becomes this rank's part of the gradient the step applies to ``param``."""
+    target = fragments.locate(param, "safe_set_local_grad", writes=True)
+    if target is not None:
+        fragments.set_local_grad(target, value, "safe_set_local_grad")
+
+
+def safe_update_full_grad_vectorized(
+    param_list: Iterable[torch.nn.Parameter], update_func: Callable[[torch.Tensor, torch.nn.Parameter], Any]
+) -> None:
+    """Each trained parameter's whole gradient becomes ``update_func(gradient,
+    param)``; parameters zcore does not train are passed over. Collective."""
+    caller = "safe_update_full_grad_vectorized"
+    located = [(fragments.locate(p, caller, writes=True), p) for p in param_list]
+    trained = [(target, p) for target, p in located if target is not None]
+    fragments.update_full_grads([t for t, _ in trained], update_func, [p for _, p in trained], caller)
+
+
+def _key(optim_state_key: Any) -> str:
+    if not isinstance(optim_state_key, str):
+        raise InvalidArgumentError(
+            f"optim_state_key names an optimizer state (\"exp_avg\", \"exp_avg_sq\"), got "
+            f"{type(optim_state_key).__name__} {optim_state_key!r}",
+            argument="optim_state_key",
+        )
+    return optim_state_key
