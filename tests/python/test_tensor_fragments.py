@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import devices
 import zcore
 from distributed import run_ranks
 from zcore.errors import InvalidArgumentError, InvalidStateError
@@ -91,7 +92,7 @@ def fp32(label: str) -> bool:
     return "bf16" not in label and "fp16" not in label
 
 
-def run_case(rank: int, zero: dict, frozen: bool) -> dict:
+def run_case(rank: int, zero: dict, frozen: bool, on: torch.device = torch.device("cpu")) -> dict:
     stage = zero["zero_optimization"]["stage"]
     model = make_model(frozen)
     config = {
@@ -109,7 +110,7 @@ def run_case(rank: int, zero: dict, frozen: bool) -> dict:
     dtype = torch.bfloat16 if "bf16" in zero else torch.float16 if "fp16" in zero else torch.float32
 
     def mse(x, y):
-        return torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        return torch.nn.functional.mse_loss(engine(x.to(on, dtype)).float(), y.to(on))
 
     engine.backward(mse(*batch(rank)))
     out["grad"] = {n: safe_get_full_grad(p) for n, p in named}
@@ -139,7 +140,7 @@ def run_case(rank: int, zero: dict, frozen: bool) -> dict:
     engine.step()
     out["stepped from written"] = {n: safe_get_full_fp32_param(p) for n, p in named}
     with torch.no_grad():
-        out["forward"] = engine(torch.ones(2, 6, dtype=dtype)).float()
+        out["forward"] = engine(torch.ones(2, 6, dtype=dtype, device=on)).float()
 
     # Local writes: this rank's part of new whole values (those of
     # ``written(LOCAL + i, ...)``); read back whole.
@@ -218,10 +219,10 @@ def reference_step(params: dict, grads: dict, states: dict, step: int) -> dict:
     return out
 
 
-def reference_grads() -> dict:
+def reference_grads(world: int = WORLD) -> dict:
     model = make_model(frozen=False)
-    losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in (batch(r) for r in range(WORLD))]
-    (sum(losses) / WORLD).backward()
+    losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in (batch(r) for r in range(world))]
+    (sum(losses) / world).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -257,11 +258,14 @@ def test_gradients_exist_from_the_windows_backward_until_the_step(results, label
 
 @pytest.mark.parametrize("label", [label for label in LABELS if fp32(label)])
 def test_reads_equal_torch(results, label):
-    out = results[0][label]
+    assert_reads_equal_torch(results[0][label], label, WORLD)
+
+
+def assert_reads_equal_torch(out: dict, label: str, world: int) -> None:
     model = make_model(frozen=False)
-    grads = reference_grads()
+    grads = reference_grads(world)
     stepped = reference_step({n: p.detach() for n, p in model.named_parameters()}, grads, None, 1)
-    frozen = cases("unused")[label][1]
+    frozen = cases("unused").get(label, (None, False))[1]
     for name, p in model.named_parameters():
         if frozen and name.startswith("0."):
             assert out["initial"][name] is None and out["exp_avg"][name] is None
@@ -278,8 +282,11 @@ def test_reads_equal_torch(results, label):
 
 @pytest.mark.parametrize("label", LABELS)
 def test_written_values_read_back_and_the_step_applies_them(results, label):
-    out = results[0][label]
-    frozen = cases("unused")[label][1]
+    assert_writes_applied(results[0][label], label)
+
+
+def assert_writes_applied(out: dict, label: str) -> None:
+    frozen = cases("unused").get(label, (None, False))[1]
     names = list(out["master"])
     params, grads, states = {}, {}, {k: {} for k in STATES}
     for i, name in enumerate(names):
@@ -382,3 +389,38 @@ def test_a_whole_matrix_optimizers_states_equal_torchs(results, stage):
         torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-8)
         parts = [r["muon"][stage][name][1] for r in results]
         assert torch.equal(torch.cat(parts), whole.reshape(-1)), name
+
+
+# On ZCORE_TEST_DEVICE (NCCL and a GPU there), at a world of one.
+DEVICE_CASES = {
+    "stage 2": {"zero_optimization": {"stage": 2}},
+    "stage 3, optimizer on the host": {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True}}},
+}
+
+
+def on_device(rank: int, world: int, device: str) -> dict:
+    on = devices.init_process_group(device)
+    out = {label: run_case(rank, zero, False, on) for label, zero in DEVICE_CASES.items()}
+    seen: set = set()
+
+    def to_cpu(value):
+        if isinstance(value, torch.Tensor):
+            seen.add(value.device.type)
+            return value.cpu()
+        if isinstance(value, dict):
+            return {k: to_cpu(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [to_cpu(v) for v in value]
+        return value
+
+    return {"cases": to_cpu(out), "devices": seen}
+
+
+@pytest.mark.device
+def test_on_the_device_the_calls_give_the_engines_device_and_equal_torch(device):
+    (got,) = run_ranks(on_device, 1, device, launcher=False, timeout=300)
+    assert got["devices"] == {device}  # the master on the host comes back on the device too
+    for label, out in got["cases"].items():
+        assert_reads_equal_torch(out, label, 1)
+        assert_writes_applied(out, label)
