@@ -344,3 +344,55 @@ def test_save_and_load_stream_a_tensor_at_a_time(tmp_path):
     saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").state_dict()
     for key, value in wide_gpt2(seed=0).state_dict().items():
         assert torch.equal(saved[key], value), key
+
+
+# Checkpoints transformers writes in an older layout than its model computes
+# in (zcore.checkpoint.hf_names): Mixtral's experts one tensor per expert
+# (the model stacks them), a ViT's attention under its former names.
+def mixtral(seed):
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=2, max_position_embeddings=32,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def vit(seed):
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                                    image_size=8, patch_size=4)
+    return transformers.ViTModel(config)
+
+
+CONVERTED = {"mixtral": mixtral, "vit": vit}
+
+
+def load_converted(rank, world, directories, stage):
+    out = {}
+    for kind, directory in directories.items():
+        engine, *_ = zcore.initialize(model=CONVERTED[kind](seed=7), config=config_for(world, stage))
+        out[kind] = (zcore.load_pretrained(engine, directory), engine.full_state_dict())
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_in_transformers_older_layout_loads_as_from_pretrained_converts_it(tmp_path, stage):
+    directories = {}
+    for kind, make in CONVERTED.items():
+        make(seed=0).save_pretrained(tmp_path / kind)
+        directories[kind] = str(tmp_path / kind)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "mixtral" / "model.safetensors", "pt") as f:  # the layout this test is about
+        assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in f.keys()
+    with safe_open(tmp_path / "vit" / "model.safetensors", "pt") as f:
+        assert "encoder.layer.0.attention.attention.query.weight" in f.keys()
+    (got, _) = run_ranks(load_converted, 2, directories, stage, timeout=TIMEOUT)
+    for kind, make in CONVERTED.items():
+        (missing, unexpected), weights = got[kind]
+        assert (missing, unexpected) == ([], []), kind
+        expected = type(make(seed=1)).from_pretrained(directories[kind]).state_dict()
+        assert sorted(weights) == sorted(expected), kind
+        for name, value in expected.items():
+            assert torch.equal(weights[name], value), (kind, name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -32,6 +33,7 @@ from zcore.comm import collectives as comm
 from zcore.checkpoint import durable
 from zcore.checkpoint.files import read_small, size_in_bytes
 from zcore.checkpoint.full_state import full_state_tensors, refuse_model_parallel, tensor_order
+from zcore.checkpoint.hf_names import CheckpointNames
 from zcore.checkpoint.layout import TRAINED, EngineLayout, engine_layout
 from zcore.checkpoint.load import Staged, as_checkpoint_error, commit_when_all_staged, stage_nvme
 from zcore.checkpoint.slot_values import SlotValues
@@ -170,6 +172,7 @@ def load_pretrained(engine: Any, directory: Union[str, Path], strict: bool = Tru
     staged, failure, result = None, None, ([], [])
     try:
         with _PretrainedFiles(Path(directory)) as files:
+            files.name_for(engine.module, {key: tuple(layout.tensors[name].shape) for key, name in layout.keys.items()})
             sources, result = _match(files, layout, engine.module, Path(directory), strict)
             # Missing tensors keep their values, those the model ignores when missing too.
             current = _current_values(values, layout, set(layout.tensors) - set(sources))
@@ -204,7 +207,8 @@ def _current_values(values: SlotValues, layout: EngineLayout, missing: set[str])
 
 
 class _PretrainedFiles:
-    """The weight files of a directory and which holds each tensor."""
+    """The weight files of a directory, which holds each tensor, and the
+    tensors as the model names them (``name_for``: zcore.checkpoint.hf_names)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -236,14 +240,34 @@ class _PretrainedFiles:
             self._readers[name] = TensorFileReader(self.directory / name)
         return self._readers[name]
 
+    def name_for(self, module: torch.nn.Module, model_shapes: dict[str, tuple[int, ...]]) -> None:
+        """From now on, keys are the model's names for the tensors (``model_shapes``: its state dict's)."""
+        self.names = CheckpointNames(module, self.file_of, model_shapes, self._read_whole)
+
+    def keys(self) -> list[str]:
+        return self.names.keys()
+
+    def is_converted(self, key: str) -> bool:
+        return self.names.is_converted(key)
+
+    def _read_whole(self, file_key: str) -> torch.Tensor:
+        reader = self._reader(self.file_of[file_key])
+        shape = reader.entries[file_key].shape
+        return reader.read_range(file_key, 0, math.prod(shape)).view(shape)
+
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._reader(self.file_of[key]).entries[key].shape
+        file_key = self.names.file_key[key]
+        return self._reader(self.file_of[file_key]).entries[file_key].shape
 
     def dtype(self, key: str) -> torch.dtype:
-        return self._reader(self.file_of[key]).entries[key].dtype
+        file_key = self.names.file_key[key]
+        return self._reader(self.file_of[file_key]).entries[file_key].dtype
 
     def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._reader(self.file_of[key]).read_range(key, start, stop)
+        if self.names.is_converted(key):
+            return self.names.whole(key).reshape(-1)[start:stop].clone()  # a copy: the whole is dropped later
+        file_key = self.names.file_key[key]
+        return self._reader(self.file_of[file_key]).read_range(file_key, start, stop)
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -291,17 +315,18 @@ def _match(
     for key, name in layout.keys.items():
         aliases.setdefault(name, []).extend(spellings(key))
     sources = {}
+    available = set(files.keys())
     for name, keys in aliases.items():
-        found = next((k for k in keys if k in files.file_of), None)
+        found = next((k for k in keys if k in available), None)
         if found is not None:
             sources[name] = found
     known = {k for keys in aliases.values() for k in keys}
     missing = [n for n in aliases if n not in sources and not _ignored(module, "missing", n)]
-    unexpected = [k for k in files.file_of if k not in known and not _ignored(module, "unexpected", k)]
-    reshaped = [
+    unexpected = [k for k in files.keys() if k not in known and not _ignored(module, "unexpected", k)]
+    reshaped = [  # a converted tensor's shape is checked once it is built
         f"{key}: file {list(files.shape(key))}, model {list(layout.tensors[name].shape)}"
         for name, key in sources.items()
-        if tuple(files.shape(key)) != tuple(layout.tensors[name].shape)
+        if not files.is_converted(key) and tuple(files.shape(key)) != tuple(layout.tensors[name].shape)
     ]
     if reshaped or (strict and (missing or unexpected)):
         parts = []
@@ -332,7 +357,7 @@ def _bytes_to_read(files: _PretrainedFiles, sources: dict[str, str], layout: Eng
     return sum(
         (slot.stop - slot.start) * files.dtype(sources[slot.name]).itemsize
         for slot in layout.slots
-        if slot.name in sources
+        if slot.name in sources and not files.is_converted(sources[slot.name])
     )
 
 
@@ -355,8 +380,10 @@ class _Ranges:
 
     def read(self, name: str, start: int, stop: int, state: Optional[str] = None) -> torch.Tensor:
         if name in self._sources:
-            value = self._files.read_range(self._sources[name], start, stop)
-            self._progress.update(value.nbytes)
+            key = self._sources[name]
+            value = self._files.read_range(key, start, stop)
+            if not self._files.is_converted(key):  # a converted tensor's sources are read whole, uncounted
+                self._progress.update(value.nbytes)
             return value
         for first, value in self._current[name]:
             if first <= start and stop <= first + value.numel():
