@@ -43,6 +43,7 @@ from zcore.engine.gathered_parameters import (
 )
 from zcore.memory.host_memory import HostMemory
 from zcore.engine.initialize import initialize
+from zcore.comm.launch import init_distributed
 from zcore.plan.recommend import recommend_config
 from zcore.zero3.meta_init import MetaInit
 from zcore.runtime import build_info, cuda_available, cuda_unavailable_reason
@@ -88,6 +89,7 @@ __all__ = [
     "cuda_unavailable_reason",
     "estimate_memory",
     "get_z3_leaf_modules",
+    "init_distributed",
     "initialize",
     "load_deepspeed_checkpoint",
     "load_pretrained",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ __all__ = [
     "set_z3_leaf_modules_by_suffix",
     "unregister_external_parameter",
     "unset_z3_leaf_modules",
+    "unwrap_model_for_generation",
     "z3_leaf_module",
     "z3_leaf_parameter",
 ]
@@ -210,6 +211,25 @@ def _check_dtype(dtype: Optional[torch.dtype], cfg: Optional[Config]) -> None:
                 "or leave dtype out",
                 argument="dtype",
             )
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(engine: Any) -> Iterator[torch.nn.Module]:
+    """DeepSpeed's ``deepspeed.runtime.zero.unwrap_model_for_generation``:
+    a block in which ``engine``'s model is whole on every rank, gathered
+    once for the block, so that a long ``generate`` runs without gathering
+    for each token; yields the model (``engine.module``). Every rank enters
+    it (a collective); at stages 0-2, where the model is whole already, the
+    block does nothing. It holds the whole model in device memory."""
+    module = getattr(engine, "module", None)
+    if not isinstance(module, torch.nn.Module) or not hasattr(engine, "lifetime"):
+        raise InvalidArgumentError(
+            f"unwrap_model_for_generation takes the engine zcore.initialize returned, got {type(engine).__name__}",
+            argument="engine",
+        )
+    engine.lifetime.check_usable()
+    with GatheredParameters(list(module.parameters())):
+        yield module
+
 
 # Public objects name the path users import them from (zcore.zero); those
 # the package exports too name zcore (set in zcore/__init__.py).

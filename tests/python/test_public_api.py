@@ -20,14 +20,14 @@ PUBLIC = {
         "FileTooSmallError", "GatheredParameters", "HostMemory", "HostMemoryBudgetError", "InvalidArgumentError",
         "InvalidHandleError", "InvalidStateError", "IoHandle", "MetaInit", "NativeOSError", "OutOfArenaError",
         "ShortReadError", "SwapCorruptedError", "SwapFileLostError", "SwapManager", "ZcoreError", "build_info",
-        "cuda_available", "cuda_unavailable_reason", "estimate_memory", "get_z3_leaf_modules", "initialize",
+        "cuda_available", "cuda_unavailable_reason", "estimate_memory", "get_z3_leaf_modules", "init_distributed", "initialize",
         "load_deepspeed_checkpoint", "load_pretrained", "recommend_config", "register_external_parameter", "save_pretrained",
         "set_z3_leaf_modules", "unregister_external_parameter", "unset_z3_leaf_modules", "z3_leaf_module",
     ],
     "zcore.zero": [
         "GatheredParameters", "Init", "get_z3_leaf_modules", "register_external_parameter", "set_z3_leaf_modules",
         "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "unregister_external_parameter",
-        "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+        "unset_z3_leaf_modules", "unwrap_model_for_generation", "z3_leaf_module", "z3_leaf_parameter",
     ],
     "zcore.utils": [
         "get_z3_leaf_modules", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",

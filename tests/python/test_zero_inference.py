@@ -14,7 +14,7 @@ import torch
 
 import zcore
 from distributed import run_ranks
-from models import make_model
+from models import global_batch, make_model
 from training import GLOBAL_BATCH, train_zcore, zcore_config
 
 PROMPT = torch.tensor([[1, 7, 3, 9], [4, 4, 2, 60]])
@@ -113,3 +113,22 @@ def test_a_training_checkpoint_loads_for_inference(tmp_path: Path) -> None:
 def test_training_settings_without_an_optimizer_are_refused(extra: dict) -> None:
     with pytest.raises(zcore.ConfigError, match="no optimizer"):
         zcore.initialize(model=make_model("gpt"), config={"train_batch_size": 2, **extra})
+
+
+
+def inference_with_model_parameters(rank: int, world: int) -> bool:
+    model = make_model("gpt")
+    x, _ = global_batch("gpt", 0, 2)
+    with torch.no_grad():
+        expected = model(x)
+    engine, optimizer, _, _ = zcore.initialize(model=model, model_parameters=model.parameters(),
+                                               config={"train_batch_size": 2})
+    with torch.no_grad():
+        same = optimizer is None and torch.equal(engine(x), expected)
+    engine.destroy()
+    return same
+
+
+def test_model_parameters_without_an_optimizer_make_an_inference_engine() -> None:
+    """As DeepSpeed's scripts pass them whatever the config: noted, not refused."""
+    assert run_ranks(inference_with_model_parameters, 1, launcher=False) == [True]

@@ -2,7 +2,9 @@
 never whole on a rank; GatheredParameters(..., modifier_rank=0) lets rank 0
 change weights that every rank then trains from; register_external_parameter
 (in a module's __init__, and through GatheredParameters' fwd_module) as
-DeepSpeed documents it, and unregister_external_parameter. One spawn of two
+DeepSpeed documents it, and unregister_external_parameter;
+unwrap_model_for_generation gathers the model once for a block of
+forwards, and training goes on after it. One spawn of two
 ranks runs the distributed checks; the arguments' checks run here."""
 
 from __future__ import annotations
@@ -146,8 +148,29 @@ def external_uses(rank: int, world: int) -> dict:
     return out
 
 
+def unwrapped_for_generation(rank: int, world: int) -> dict:
+    """A step, forwards in unwrap_model_for_generation's block, another step."""
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = zcore.initialize(model=model, config=config())
+    losses = train(engine, rank, 1)
+    x = data(100)[0]
+    with zcore.zero.unwrap_model_for_generation(engine) as unwrapped:
+        before = engine.gather_stats().gathers
+        with torch.no_grad():
+            outputs = [unwrapped(x) for _ in range(3)]
+        gathers = engine.gather_stats().gathers - before
+        params = {n: p.detach().clone() for n, p in unwrapped.named_parameters()}
+    held = sum(p.data.numel() for p in model.parameters())  # released again after the block
+    losses += train(engine, rank, 1)[:1]
+    engine.destroy()
+    return {"outputs": outputs, "gathers": gathers, "params": params, "held": held, "losses": losses,
+            "is_module": unwrapped is model}
+
+
 def distributed_checks(rank: int, world: int) -> dict:
-    return {"init": built_under_init(rank, world), "external": external_uses(rank, world)}
+    return {"init": built_under_init(rank, world), "external": external_uses(rank, world),
+            "unwrap": unwrapped_for_generation(rank, world)}
 
 
 def reference_net() -> Net:
@@ -261,3 +284,30 @@ def test_init_accepts_deepspeed_tuning_arguments():
     ):
         model = Net()
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_unwrap_model_for_generation_gathers_once_and_training_goes_on(ranks):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-4)
+    x, y = data(0)
+    losses = []
+    for step in range(2):  # the engine's steps both train on data(0); the block runs between them
+        halves = [nn.functional.cross_entropy(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
+                  for r in range(2)]
+        (sum(halves) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:  # the model as the block sees it
+            reference = Net()
+            reference.load_state_dict(model.state_dict())
+        losses.append(sum(h.item() for h in halves) / 2)
+    with torch.no_grad():
+        expected = reference(data(100)[0])
+    for got in (r["unwrap"] for r in ranks):
+        assert got["is_module"] and got["gathers"] == 0  # the forwards in the block gather nothing
+        assert got["held"] < sum(p.numel() for p in reference.parameters())  # released after it
+        assert_close(got["params"], reference, "the model in the block")
+        for out in got["outputs"]:
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        assert got["losses"] == pytest.approx(losses, rel=1e-6)

@@ -44,13 +44,17 @@ class DistributedContext:
     backend: str
 
 
-def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> DistributedContext:
-    """Joins (or creates) the default process group and picks this rank's device."""
+def init_distributed(
+    timeout: timedelta = timedelta(minutes=10), backend: Optional[str] = None, init_method: Optional[str] = None
+) -> DistributedContext:
+    """Joins (or creates) the default process group and picks this rank's
+    device. ``backend``: default NCCL where torch sees a GPU, else gloo;
+    ``init_method``: default env:// (the launcher's variables)."""
     if not dist.is_initialized():
         launched = all(v in os.environ for v in _LAUNCHER_VARS)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if launched:
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if launched or init_method is not None:
+            dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         else:
             # No launcher: a world of one, with an in-memory store.
             dist.init_process_group(

@@ -231,12 +231,13 @@ def _check_inference(
     cfg: Config, model_parameters: Optional[Iterable], lr_scheduler: Any, tied_parameters: Optional[dict]
 ) -> None:
     """No optimizer, passed or configured: an engine for forward passes and
-    generation only (ZeRO-Inference). What only training uses is refused."""
-    if isinstance(model_parameters, (list, tuple)) and not model_parameters:
-        model_parameters = None  # nothing to train: Lightning passes [] for inference
+    generation only (ZeRO-Inference). What only training uses is refused,
+    but ``model_parameters``, which DeepSpeed's scripts pass whatever the
+    config, is only noted (DeepSpeed ignores it too)."""
+    if model_parameters is not None and not (isinstance(model_parameters, (list, tuple)) and not model_parameters):
+        log.info("zcore.initialize: no optimizer (an engine for inference only): model_parameters are not used")
     given = [
         name for name, value in (
-            ("model_parameters", model_parameters),
             ("lr_scheduler", lr_scheduler),
             ("the config's 'scheduler' section", cfg.scheduler),
         ) if value is not None
