@@ -62,9 +62,11 @@ class Init(contextlib.AbstractContextManager):
     ``zcore.initialize`` (stage 3) materialises them one module at a time
     straight into each rank's shards, as ``zcore.MetaInit`` describes: each
     module's ``reset_parameters()``, then Hugging Face's ``_init_weights``
-    where the model has one, under a seed per module. Values an
-    ``__init__`` computes itself (an in-place init of its own tensors, a
-    buffer filled from ``torch.arange``) are not kept: give them through
+    where the model has one, under a seed per module. A parameter made by
+    a legacy constructor (``nn.Parameter(torch.Tensor(n))``, which ignores
+    the meta device) keeps the values ``__init__`` gave it; other values an
+    ``__init__`` computes itself (an in-place init of its own meta tensors,
+    a buffer filled from ``torch.arange``) are not kept: give them through
     ``zcore.initialize(..., meta_init=zcore.MetaInit(init_fn=...))``. The
     parameters have no values before ``zcore.initialize``: a
     ``GatheredParameters`` block on them is refused.

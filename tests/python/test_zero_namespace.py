@@ -168,9 +168,33 @@ def unwrapped_for_generation(rank: int, world: int) -> dict:
             "is_module": unwrapped is model}
 
 
+class LegacyScale(nn.Module):
+    """A parameter made by a legacy constructor, which ignores Init's meta
+    device, and given its values in __init__ (DeepSpeed's test_zero_context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.scale = nn.Parameter(torch.Tensor(3).fill_(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+
+def legacy_parameter_under_init(rank: int, world: int) -> dict:
+    with zcore.zero.Init(config_dict_or_path=config()):
+        model = LegacyScale()
+    on_meta = {n: p.is_meta for n, p in model.named_parameters()}
+    engine, *_ = zcore.initialize(model=model, config=config())
+    built = values(model)
+    losses = train(engine, rank, 2)
+    engine.destroy()
+    return {"on_meta": on_meta, "built": built, "losses": losses}
+
+
 def distributed_checks(rank: int, world: int) -> dict:
     return {"init": built_under_init(rank, world), "external": external_uses(rank, world),
-            "unwrap": unwrapped_for_generation(rank, world)}
+            "unwrap": unwrapped_for_generation(rank, world), "legacy": legacy_parameter_under_init(rank, world)}
 
 
 def reference_net() -> Net:
@@ -190,6 +214,7 @@ def train_reference(model: nn.Module, steps: int) -> list[float]:
         x, y = data(step)
         halves = [nn.functional.cross_entropy(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]) for r in range(2)]
         (sum(halves) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the config's default gradient_clipping
         opt.step()
         opt.zero_grad()
         losses.append(sum(h.item() for h in halves) / 2)
@@ -311,3 +336,22 @@ def test_unwrap_model_for_generation_gathers_once_and_training_goes_on(ranks):
         for out in got["outputs"]:
             torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         assert got["losses"] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_parameter_built_with_values_under_init_keeps_them(ranks):
+    """The legacy constructor's parameter is real, the rest meta; the
+    engine keeps its values and initialises the rest as MetaInit does."""
+    reference = LegacyScale()
+    for name, module in reference.named_modules():
+        if name and list(module.parameters(recurse=False)):  # the root's scale keeps its values
+            torch.manual_seed(zcore.MetaInit().module_seed(name))
+            module.reset_parameters()
+    built = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    expected_losses = train_reference(reference, 2)
+    for got in (r["legacy"] for r in ranks):
+        assert got["on_meta"] == {"net.fc1.weight": True, "net.fc1.bias": True, "net.fc2.weight": True,
+                                  "net.fc2.bias": True, "scale": False}
+        assert torch.equal(got["built"]["scale"], torch.full((3,), 1.5))
+        for name, value in built.items():
+            assert torch.equal(got["built"][name], value), name
+        assert got["losses"] == pytest.approx(expected_losses, rel=1e-6)

@@ -31,6 +31,12 @@ before (and since sharded) are stood in for by meta tensors in their
 modules' ``_parameters`` and ``_buffers`` until the fill ends, when the
 real objects go back.
 
+A parameter that is not on the meta device (built by a legacy constructor
+such as ``torch.Tensor(n)``, which ignores the device context, then filled
+in ``__init__``) keeps the values it was built with: a module whose
+tensors all have values is not initialised again, and in one that also has
+meta tensors the init chain's writes to it are undone.
+
 A meta buffer that its init chain never writes is refused, and so is a
 floating-point one left partly unset (they start as NaN).
 
@@ -114,9 +120,15 @@ class _Fill:
             # A stand-in is meta too, but not one of the registered tensors.
             if b is not None and b.is_meta and id(b) in self._entries
         }
-        if not owned and not buffers:
+        # Parameters built with values (a legacy constructor such as
+        # torch.Tensor(n), which ignores the meta device) keep them.
+        given = {id(p): p.detach().clone() for p in owned if not p.is_meta}
+        if len(given) == len(owned) and not buffers:
+            self._stand_in(owned)
             return
         for p in owned:
+            if id(p) in given:
+                continue
             real = torch.empty(p.shape, dtype=p.dtype, device=self._device)
             torch.utils.swap_tensors(p, torch.nn.Parameter(real, requires_grad=p.requires_grad))
         for b in buffers.values():
@@ -129,7 +141,10 @@ class _Fill:
         devices = [self._device] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(self._meta_init.module_seed(name))
-            self._init(name, module, bool(owned))
+            self._init(name, module, len(given) < len(owned))
+            for p in owned:
+                if id(p) in given:
+                    p.copy_(given[id(p)])
         untouched = {key for key, b in buffers.items() if b._version == versions[key]}
         if self._synchronise and buffers:
             comm.broadcast_from_rank0(list(buffers.values()))
@@ -205,15 +220,10 @@ def _qualified(module: str, key: str) -> str:
 
 
 def is_meta(model: torch.nn.Module) -> bool:
-    """Whether the model was built on the meta device: every parameter is
-    there (buffers may be there too, or on the CPU)."""
-    meta = [p.is_meta for p in model.parameters()]
-    if any(meta) and not all(meta):
-        raise ConfigError(
-            "some of the model's parameters are on the meta device and some are not; build the "
-            "whole model under torch.device('meta') (or none of it)"
-        )
-    on_meta = bool(meta) and all(meta)
+    """Whether the model was built on the meta device: some parameter is
+    there (the others, built with values, keep them; buffers may be there
+    too, or on the CPU)."""
+    on_meta = any(p.is_meta for p in model.parameters())  # those not on it keep their values
     buffers = [n for n, b in model.named_buffers() if b.is_meta]
     if buffers and not on_meta:
         raise ConfigError(
