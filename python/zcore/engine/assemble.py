@@ -243,6 +243,7 @@ def _fetcher(
     )
     handles = hooks.register_module_hooks(fetcher, dict(enumerate(fetcher.modules)))
     gathered_parameters.track(fetcher)
+    fetcher.set_external_adopter(functools.partial(gathered_parameters.add_external, fetcher))
     for module in model.modules():
         for param in gathered_parameters.pending_external(module):
             gathered_parameters.add_external(fetcher, module, param)

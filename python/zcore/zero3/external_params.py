@@ -7,9 +7,12 @@ whose forward returns a zcore parameter (or a view of one) hands it to the
 calling module, the innermost hooked module running (the model itself is
 always hooked), whose calls gather it from then on; the current call takes
 it over before the returning module lets it go. A use zcore cannot see
-(another module's parameter read as an attribute) is caught while the trace
-records (zcore.zero3.recording_checks) with an error that names the parameter and
-the fix.
+ahead (another module's parameter read as an attribute) is caught while the
+trace records, at the first operator given the parameter
+(zcore.zero3.recording_checks): it is declared then for the module whose
+forward runs the operator, and gathered on the spot, as DeepSpeed gathers a
+parameter it finds not available on access. Every rank runs the same
+forward while recording, so every rank gathers it at the same point.
 """
 
 from __future__ import annotations

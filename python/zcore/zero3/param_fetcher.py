@@ -167,7 +167,10 @@ class ParamFetcher:
             self._sites, self._plans, self._calls, self.buffers, self.group_of_param, self._names
         )
         self._master_writer: Optional[Callable[[ShardedGroup, torch.Tensor], None]] = None
-        self._released_check = ReleasedParameterCheck(self._released, self._names.param, self._describe_module)
+        self._external_adopter: Optional[Callable[[torch.nn.Module, torch.nn.Parameter], None]] = None
+        self._released_check = ReleasedParameterCheck(
+            self._released, self._names.param, self._describe_module, self._adopt_external
+        )
         self._units: set[int] = set()  # hooked modules that run compiled (add_unit)
 
     @property
@@ -473,6 +476,22 @@ class ParamFetcher:
     def remove_from_module(self, k: int, group: int) -> None:
         """Hooked module ``k`` no longer needs ``group`` (unregister_external_parameter)."""
         self._sites.remove_from_module(k, group)
+
+    def set_external_adopter(self, adopter: Callable[[torch.nn.Module, torch.nn.Parameter], None]) -> None:
+        """How a use of a parameter by a module that neither owns nor
+        declared it is declared (zcore.engine.gathered_parameters.add_external)."""
+        self._external_adopter = adopter
+
+    def _adopt_external(self, param: torch.nn.Parameter, module: torch.nn.Module) -> bool:
+        if self._external_adopter is None:
+            return False
+        self._external_adopter(module, param)
+        log.info(
+            "zcore ZeRO-3: %s uses parameter %s, which it neither owns nor declared; gathering it whenever "
+            "it runs, as zcore.register_external_parameter would", self._names.module(module),
+            self._names.param(param),
+        )
+        return not self._released(param)
 
     def set_master_writer(self, writer: Callable[[ShardedGroup, torch.Tensor], None]) -> None:
         """How a changed shard's values reach the fp32 master (GatheredParameters)."""

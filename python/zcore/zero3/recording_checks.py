@@ -20,9 +20,11 @@ model's structure shows itself on the first step.
   every use instead, at one small all-reduce per module call, to find such
   a divergence.
 - ``ReleasedParameterCheck``: a torch function mode, active during a key's
-  first forward, that stops the first operator given a parameter zcore has
+  first forward, that catches an operator given a parameter zcore has
   released, i.e. one used by a module that neither owns nor declared it
-  (``zcore.register_external_parameter``). Later forwards run without it.
+  (``zcore.register_external_parameter``): the use is declared then (note
+  "external parameters" in zcore.zero3.external_params), or, outside any
+  module's forward, refused by name. Later forwards run without it.
 """
 
 from __future__ import annotations
@@ -78,18 +80,24 @@ class RankAgreement:
 
 class ReleasedParameterCheck(TorchFunctionMode):
     """While active, an operator given a zcore parameter that is not gathered
-    raises an error naming it, instead of failing on its empty placeholder."""
+    has it declared as an external parameter of the module whose forward
+    runs the operator (gathered now, and whenever that module runs), as
+    DeepSpeed does; outside any module's forward it raises an error naming
+    the parameter, instead of failing on its empty placeholder."""
 
     def __init__(
         self,
         released: Callable[[torch.Tensor], bool],
         describe_param: Callable[[torch.Tensor], str],
         describe_module: Callable[[Optional[torch.nn.Module]], str],
+        adopt: Callable[[torch.nn.Parameter, torch.nn.Module], bool],
     ) -> None:
+        """``adopt(param, module)``: declares the use; whether ``param`` is gathered now."""
         super().__init__()
         self._released = released  # whether a tensor is a zcore parameter not gathered now
         self._describe_param = describe_param  # its name and shape
         self._describe_module = describe_module  # None: the innermost running hooked module
+        self._adopt = adopt
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
         kwargs = kwargs or {}
@@ -99,7 +107,9 @@ class ReleasedParameterCheck(TorchFunctionMode):
             for value in (*args, *kwargs.values()):
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if isinstance(t, torch.nn.Parameter) and self._released(t):
-                        raise self._error(t, func)
+                        user = _calling_module()
+                        if user is None or not self._adopt(t, user):
+                            raise self._error(t, func)
         return func(*args, **kwargs)
 
     def _error(self, param: torch.Tensor, func: Any) -> InvalidStateError:
