@@ -238,3 +238,54 @@ def test_weights_are_readable_without_optimizer_files(tmp_path: Path) -> None:
         f.unlink()
     files = zcore.checkpoint.consolidate(ckpt, tmp_path / "out", progress=False)
     assert [f.name for f in files] == ["model.safetensors"]
+
+
+class StepCounting(torch.optim.Optimizer):
+    """An optimizer whose state is scalars only (DeepSpeed's test
+    HybridStateOptimizer): a count as an int and as a one-element tensor."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["integer_step"], state["tensor_step"] = 0, torch.zeros(1)
+                p.add_(p.grad, alpha=-group["lr"] / (1 + state["integer_step"]))
+                state["integer_step"] += 1
+                state["tensor_step"] += 1
+
+
+def scalar_states(rank: int, world: int, stage: int, ckpt: str, phase: str) -> dict:
+    model = make_model("mlp")
+    cfg = {**config(stage), "zero_allow_untested_optimizer": True}
+    del cfg["optimizer"]  # given as an object
+    engine, *_ = zcore.initialize(model=model, optimizer=StepCounting(p for p in model.parameters() if p.requires_grad),
+                                  config=cfg)
+    if phase == "load":
+        engine.load_checkpoint(ckpt)
+        loaded = [(s["integer_step"], s["tensor_step"].tolist()) for s in engine.optimizer.state.values()]
+        losses = train(engine, "mlp", rank, world, range(2, 3))
+    else:
+        loaded = None
+        losses = train(engine, "mlp", rank, world, range(3), save_dir=ckpt, save_at=2)
+    return {"loaded": loaded, "losses": losses,
+            "state": [(s["integer_step"], s["tensor_step"].tolist()) for s in engine.optimizer.state.values()]}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_whose_state_is_scalars_only_resumes(stage: int, tmp_path: Path) -> None:
+    """Its state is restored (not left empty for the step to start again
+    from its first), and the resumed step matches the uninterrupted one."""
+    ckpt = str(tmp_path / "ckpt")
+    whole = run_ranks(scalar_states, 2, stage, ckpt, "save")
+    resumed_run = run_ranks(scalar_states, 2, stage, ckpt, "load")
+    for rank in range(2):
+        assert resumed_run[rank]["loaded"] and all(s == (2, [2.0]) for s in resumed_run[rank]["loaded"])
+        assert resumed_run[rank]["state"] == whole[rank]["state"]
+        assert resumed_run[rank]["losses"] == pytest.approx(whole[rank]["losses"][2:], rel=1e-6)

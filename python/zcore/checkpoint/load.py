@@ -223,16 +223,16 @@ def _read(
             groups = {id(p): g for g in inner.param_groups for p in g["params"]}
             for slot in layout.slots_of(TRAINED):
                 keys = saved.state_keys(slot.name)
-                if not keys:
-                    continue  # never stepped when saved
+                source = recut.source_name(slot.name)
+                owner = next((ix for ix in indexes if source in ix.scalars), None)
+                scalars = owner.scalars[source] if owner is not None else {}
+                if not keys and not scalars:
+                    continue  # never stepped when saved (an optimizer may keep scalars only)
                 if values.swapped:  # ranged states are read in stage_nvme
                     state = {key: torch.empty(0, dtype=saved.dtype(slot.name, slot.start, slot.stop, key))
                              for key in keys}
                 else:
                     state = {key: saved.read(slot.name, slot.start, slot.stop, key) for key in keys}
-                source = recut.source_name(slot.name)
-                owner = next((ix for ix in indexes if source in ix.scalars), None)
-                scalars = owner.scalars[source] if owner is not None else {}
                 path = tag_dir / directory.rank_index(owner.rank if owner is not None else 0)
                 both = sorted(set(scalars) & set(state))
                 if both:
