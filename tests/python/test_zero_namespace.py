@@ -192,9 +192,32 @@ def legacy_parameter_under_init(rank: int, world: int) -> dict:
     return {"on_meta": on_meta, "built": built, "losses": losses}
 
 
+def two_engines(rank: int, world: int) -> dict:
+    """One GatheredParameters block over the parameters of two engines
+    (DeepSpeed's checkpoint tests compare two models so): both gathered;
+    with modifier_rank, both written."""
+    models = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        models.append(Net())
+    engines = [zcore.initialize(model=m, config=config())[0] for m in models]
+    params = [p for m in models for p in m.parameters()]
+    with zcore.zero.GatheredParameters(params):
+        seen = [p.detach().clone() for p in params]
+    with zcore.zero.GatheredParameters(params, modifier_rank=0):
+        with torch.no_grad():
+            for p in params:
+                p.fill_(float(rank + 1))  # rank 0's ones are kept
+    written = [values(m) for m in models]
+    for engine in engines:
+        engine.destroy()
+    return {"seen": seen, "written": written}
+
+
 def distributed_checks(rank: int, world: int) -> dict:
     return {"init": built_under_init(rank, world), "external": external_uses(rank, world),
-            "unwrap": unwrapped_for_generation(rank, world), "legacy": legacy_parameter_under_init(rank, world)}
+            "unwrap": unwrapped_for_generation(rank, world), "legacy": legacy_parameter_under_init(rank, world),
+            "two engines": two_engines(rank, world)}
 
 
 def reference_net() -> Net:
@@ -361,3 +384,16 @@ def test_a_parameter_built_with_values_under_init_keeps_them(ranks):
         for name, value in built.items():
             assert torch.equal(got["built"][name], value), name
         assert got["losses"] == pytest.approx(expected_losses, rel=1e-6)
+
+
+def test_gathered_parameters_of_two_engines_gathers_and_writes_both(ranks):
+    expected = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected += [p.detach() for p in Net().parameters()]
+    for got in (r["two engines"] for r in ranks):
+        assert len(got["seen"]) == len(expected)
+        for seen, value in zip(got["seen"], expected):
+            assert torch.equal(seen, value)
+        for model in got["written"]:
+            assert all(torch.equal(v, torch.ones_like(v)) for v in model.values())

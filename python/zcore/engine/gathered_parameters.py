@@ -55,6 +55,14 @@ def _fetcher_of(params: list[torch.nn.Parameter]) -> Optional[ParamFetcher]:
     return None
 
 
+def _fetchers_of(params: list[torch.nn.Parameter]) -> list[ParamFetcher]:
+    """Every fetcher sharding some of ``params`` (one per engine), in a
+    fixed order: by the first of ``params`` each holds, the same on every rank."""
+    found = [(next(i for i, p in enumerate(params) if id(p) in f.group_of_param), f) for f in _FETCHERS
+             if any(id(p) in f.group_of_param for p in params)]
+    return [f for _, f in sorted(found, key=lambda pair: pair[0])]
+
+
 class GatheredParameters:
     """A ``with`` block in which ``params`` are whole on every rank (ZeRO-3:
     their groups are gathered for the block). With ``modifier_rank=r``, rank
@@ -77,12 +85,12 @@ class GatheredParameters:
     ) -> None:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
-        self._fetcher = _fetcher_of(self.params) if enabled else None
-        self._site: Optional[int] = None
-        self._groups: list[int] = []
+        # Parameters of several engines (each its own fetcher) are gathered by each.
+        self._fetchers = _fetchers_of(self.params) if enabled else []
+        self._entered: list[tuple[ParamFetcher, list[int], int]] = []  # (fetcher, groups, site) gathered
         if not enabled:
             return
-        if self._fetcher is None and any(p.is_meta for p in self.params):
+        if not self._fetchers and any(p.is_meta for p in self.params):
             raise InvalidStateError(
                 "GatheredParameters was given parameters on the meta device (built under zcore.zero.Init "
                 "or torch.device('meta')), which have no values until zcore.initialize materialises them "
@@ -94,27 +102,39 @@ class GatheredParameters:
                 register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> list[torch.nn.Parameter]:
-        fetcher = self._fetcher
-        if fetcher is not None:
-            self._groups = sorted(
-                {fetcher.group_of_param[id(p)] for p in self.params if id(p) in fetcher.group_of_param}
-            )
-            self._site = fetcher.site_for(self._groups)
-            fetcher.gather_site(self._site)
+        try:
+            for fetcher in self._fetchers:
+                groups = sorted({fetcher.group_of_param[id(p)] for p in self.params if id(p) in fetcher.group_of_param})
+                site = fetcher.site_for(groups)
+                fetcher.gather_site(site)
+                self._entered.append((fetcher, groups, site))
+        except BaseException:
+            self._release()
+            raise
         return self.params
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        fetcher = self._fetcher
-        if fetcher is None:
-            return
         try:
-            if self.modifier_rank is not None and exc_type is None:
+            if self.modifier_rank is not None and exc_type is None and self._entered:
                 finish_copies()  # an asynchronous save may still be copying the shards written here
                 with torch.no_grad():
-                    for group in self._groups:
-                        fetcher.write_back(group, self.modifier_rank)
+                    for fetcher, groups, _ in self._entered:
+                        for group in groups:
+                            fetcher.write_back(group, self.modifier_rank)
         finally:
-            fetcher.release_site(self._site)
+            self._release()
+
+    def _release(self) -> None:
+        """Every gathered site is released, even where one release fails (the first failure is raised)."""
+        failure: Optional[BaseException] = None
+        for fetcher, _, site in reversed(self._entered):
+            try:
+                fetcher.release_site(site)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every site is released
+                failure = failure or exc
+        self._entered = []
+        if failure is not None:
+            raise failure
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
