@@ -836,7 +836,7 @@ def render_unsupported() -> str:
     for key, (default, reason) in config_keys.UNSUPPORTED_KEYS.items():
         if default is config_keys._ANY:
             accepted = "*any value refused*"
-        elif isinstance(default, config_keys._Off):
+        elif isinstance(default, (config_keys._Off, config_keys._OneOf)):
             accepted = str(default)
         else:
             accepted = f"`{json.dumps(default)}`"

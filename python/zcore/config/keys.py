@@ -42,6 +42,16 @@ class _Off:
 
 _DISABLED = _Off("enabled", (False,))
 
+
+@dataclass(frozen=True)
+class _OneOf:
+    """A key accepted at any of ``values`` (each compared as a default is)."""
+
+    values: tuple[Any, ...]
+
+    def __str__(self) -> str:
+        return " or ".join(f"`{json.dumps(value)}`" for value in self.values)
+
 # DeepSpeed's other names for zcore's keys (DeepSpeed's pydantic aliases,
 # and its deprecated names that it reads as the new one).
 ALIASES: dict[str, str] = {
@@ -158,7 +168,7 @@ UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
     "zero_optimization.zenflow": (None, "ZenFlow's stale-gradient updates are not supported"),
     "fp16.auto_cast": (False, "zcore casts the model to fp16 itself; torch autocast inside it is not supported"),
     "fp16.fp16_master_weights_and_grads": (False, "zcore keeps master weights and gradients in fp32"),
-    "data_types.grad_accum_dtype": (None, "zcore accumulates gradients in fp32"),
+    "data_types.grad_accum_dtype": (_OneOf((None, "fp32")), "zcore accumulates gradients in fp32"),
     "data_types.param_dtype": (None, "zcore's parameters take the compute dtype of bf16 or fp16"),
     "data_types.buffer_dtype": (None, "zcore's buffers keep their dtype unless bf16/fp16.cast_buffers"),
     "data_types.keep_in_fp32_modules": ("auto", "zcore keeps no modules in fp32 by name"),
@@ -380,6 +390,8 @@ def _copied_section(config: dict, parents: list[str]) -> Optional[dict]:
 def _is_default(value: Any, default: Any) -> bool:
     if default is _ANY:
         return False
+    if isinstance(default, _OneOf):
+        return any(_is_default(value, one) for one in default.values)
     if isinstance(default, _Off):
         if not isinstance(value, dict):
             return False
