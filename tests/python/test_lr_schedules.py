@@ -298,3 +298,34 @@ def test_engine_follows_and_resumes_the_schedule(tmp_path, name):
     assert record["state"] == {"last_batch_iteration": SAVED_AT - 1}
     assert record["loaded"] == case["after_steps"][SAVED_AT - 1]
     assert record["after_load"] == case["after_steps"][SAVED_AT:SAVED_AT + 3]
+
+
+def schedulers_given_as_objects(rank, world):
+    """A scheduler over the optimizer given to zcore.initialize drives the
+    engine's learning rate; one over another optimizer is refused."""
+    out = {}
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    engine, _, _, returned = zcore.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                              config={"train_batch_size": 2})
+    for _ in range(2):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    out["driven"] = (returned is scheduler, engine.get_lr())
+    engine.destroy()
+    other = torch.nn.Linear(4, 2)
+    foreign = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam(other.parameters()), lambda step: 1.0)
+    try:
+        zcore.initialize(model=other, lr_scheduler=foreign,
+                         config={"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+        out["foreign"] = "accepted"
+    except zcore.ConfigError as exc:
+        out["foreign"] = str(exc)
+    return out
+
+
+def test_a_scheduler_object_must_drive_the_engines_optimizer():
+    (got,) = run_ranks(schedulers_given_as_objects, 1, launcher=False)
+    assert got["driven"] == (True, [pytest.approx(1e-2 * 0.25)])
+    assert "not the optimizer the engine steps" in got["foreign"] and "callable" in got["foreign"], got["foreign"]

@@ -586,7 +586,28 @@ def _scheduler(cfg: Config, lr_scheduler: Any, optimizer: ShardedOptimizer) -> A
         # As DeepSpeed: the torch optimizer (its parameter groups are the
         # engine's), which torch's schedulers require.
         return lr_scheduler(optimizer.inner)
+    _check_scheduler_drives(lr_scheduler, optimizer)
     return lr_scheduler
+
+
+def _check_scheduler_drives(scheduler: Any, optimizer: ShardedOptimizer) -> None:
+    """A scheduler object must move the learning rates of the optimizer the
+    engine steps (the one given to zcore.initialize, whose parameter groups
+    the engine keeps, or a part of a whole-matrix pair); over any other it
+    would change nothing, silently (DeepSpeed refuses it too)."""
+    driven = getattr(scheduler, "optimizer", None)
+    if driven is None or scheduler is None:
+        return
+    engine_groups = {id(g) for g in optimizer.inner.param_groups}
+    if all(id(g) in engine_groups for g in getattr(driven, "param_groups", [None])):
+        return
+    raise ConfigError(
+        f"zcore.initialize(lr_scheduler=...) got a {type(scheduler).__name__} over a {type(driven).__name__} "
+        "that is not the optimizer the engine steps, so it would change no learning rate the engine uses: "
+        "build it over the optimizer passed to zcore.initialize(optimizer=...), or pass a callable that "
+        "takes the engine's optimizer and returns the scheduler (with a config 'optimizer' section, only "
+        "the callable can)"
+    )
 
 
 def data_loader(
