@@ -1,5 +1,5 @@
 """The kinds of argument zcore's API takes, each checked in one place: a
-torch dtype, a byte alignment, a tensor shape. Every function that takes
+torch dtype, a byte alignment, a tensor shape, a directory. Every function that takes
 one checks it here, so that a wrong value is refused alike wherever it is
 passed: a :class:`zcore.InvalidArgumentError` naming the argument, the
 value given and what the argument takes.
@@ -8,7 +8,9 @@ value given and what the argument takes.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -91,3 +93,13 @@ def shape(value: Any, element: torch.dtype, what: str) -> tuple[torch.Size, int]
             bytes=nbytes,
         )
     return size, nbytes
+
+
+def directory(value: Any, name: str) -> Path:
+    """A directory's path, given as a str or os.PathLike; the empty string
+    (which would mean the working directory) is refused, as DeepSpeed refuses it."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise InvalidArgumentError(
+            f"{name} must name a directory (a str or pathlib.Path), got {value!r}", argument=name
+        )
+    return Path(value)

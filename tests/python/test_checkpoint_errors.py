@@ -375,3 +375,23 @@ def test_different_tags_on_different_ranks_are_named_on_every_rank(tmp_path: Pat
         assert "tags differ across ranks (rank 0: 'rank0', rank 1: 'rank1')" in save, save
         assert "tags differ across ranks (rank 0: 'shared', rank 1: none (latest))" in load, load
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "shared"]  # nothing half-written
+
+
+def directories_refused(rank: int, world: int, cwd: str) -> list[str]:
+    os.chdir(cwd)  # where an empty save_dir would have written
+    engine = trained_engine(stage=1, steps=1)
+    messages = []
+    for call in (lambda: engine.save_checkpoint(""), lambda: engine.save_checkpoint(None),
+                 lambda: engine.load_checkpoint("")):
+        with pytest.raises(zcore.InvalidArgumentError) as failure:
+            call()
+        messages.append(str(failure.value))
+    engine.destroy()
+    return messages
+
+
+def test_a_save_or_load_directory_that_names_none_is_refused(tmp_path: Path) -> None:
+    """The empty string would be the working directory: refused, as DeepSpeed refuses it."""
+    messages = run_ranks(directories_refused, 1, str(tmp_path), launcher=False)[0]
+    assert [m.split(" must")[0] for m in messages] == ["save_dir", "save_dir", "load_dir"]
+    assert list(tmp_path.iterdir()) == []

@@ -19,6 +19,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from zcore import arguments
 from zcore.comm import collectives as comm
 from zcore.memory.aio import AioEngine
 from zcore.checkpoint import directory, durable, matrix_states, partials, schema, training_state
@@ -137,6 +138,7 @@ def load_checkpoint(
     the ranks agree, even when a rank's preparation failed: a failure on one
     rank fails the load on every rank, naming it, before any state changes
     and before any rank can wait in another collective."""
+    load_dir = arguments.directory(load_dir, "load_dir")
     options = _Options(
         # An engine without an optimizer (inference) takes the weights only, as DeepSpeed's does.
         optimizer=load_optimizer_states and not load_module_only and engine.optimizer is not None,

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from zcore.comm import collectives as comm
+from zcore import arguments
 from zcore.checkpoint import directory, durable, partials, training_state
 from zcore.checkpoint.layout import EngineLayout, describe, engine_layout, whole_model_layout
 from zcore.checkpoint.rank_payload import RankPayload, rank_payload, write_payload
@@ -61,6 +62,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Optional[str] = None
 def prepare_save(engine: Any, save_dir: str | Path, tag: Optional[str] = None, client_state: Any = None) -> SaveJob:
     """The checks of a save and what it will write, streaming from the
     engine's live state. Collective over the training's group; writes nothing."""
+    save_dir = arguments.directory(save_dir, "save_dir")
     if engine.accumulated_micro_steps:
         raise CheckpointError(
             f"save_checkpoint was called after micro-step {engine.micro_steps}, inside a gradient "
