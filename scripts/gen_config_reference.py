@@ -273,6 +273,11 @@ DESCRIPTIONS: dict[str, str] = {
         "embedding's frequencies in low precision are far off at long positions. Needed for a model that adds "
         "a float buffer to its activations, and for batch norms with affine weights (refused without it)."
     ),
+    "BF16Config.check_grad_overflow": (
+        "Skips a step whose gradients are not finite (counted in `skipped_steps`), as fp16 skips an "
+        "overflow; DeepSpeed's default. `false` applies them as they are (gradient clipping, when on, still "
+        "skips them: a norm that is not finite cannot clip)."
+    ),
     "FP16Config.enabled": "Computes in float16 with loss scaling; fp32 master weights and optimizer states are kept.",
     "FP16Config.cast_buffers": "As `bf16.cast_buffers`.",
     "FP16Config.loss_scale": "0 scales the loss dynamically; a positive value is a static loss scale.",

@@ -99,6 +99,35 @@ def train_with_injected_inf(rank, world, stage, bad_step, bad_rank, device):
     return {"record": record, "skipped": engine.skipped_steps, "steps": engine.global_steps}
 
 
+def bf16_with_injected_inf(rank, world, stage, check):
+    """bf16 without clipping, a rank's gradients inf at step 1."""
+    config = precision_config(stage, 1, 0.0, "bf16", False)
+    if check is not None:
+        config["bf16"]["check_grad_overflow"] = check
+    engine, _, _, _ = zcore.initialize(model=make_model("mlp"), config=config)
+    micro = engine.train_micro_batch_size_per_gpu()
+    finite = []
+    for step in range(3):
+        x, y = global_batch("mlp", step, world * micro)
+        part = slice(rank * micro, (rank + 1) * micro)
+        loss = loss_of("mlp", engine(x[part].bfloat16()), y[part])
+        if step == 1 and rank == world - 1:
+            loss = loss * math.inf
+        engine.backward(loss)
+        engine.step()
+        finite.append(all(bool(p.isfinite().all()) for p in full_params(engine).values()))
+    return {"skipped": engine.skipped_steps, "finite": finite}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_skips_a_step_whose_gradients_are_not_finite_unless_told_not_to(stage):
+    """DeepSpeed's bf16.check_grad_overflow (default true), with clipping
+    off (clipping alone would also refuse a norm that is not finite)."""
+    for check, skipped, finite in ((None, 1, [True, True, True]), (False, 0, [True, False, False])):
+        for rank, got in enumerate(run_ranks(bf16_with_injected_inf, 2, stage, check, timeout=300)):
+            assert (got["skipped"], got["finite"]) == (skipped, finite), (check, rank)
+
+
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.device), 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_that_step_everywhere(stage, world, device):

@@ -140,7 +140,6 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "aio.use_gds": ("bool", "zcore reads and writes NVMe through pinned host memory"),
     "aio.thread_count": ("int", "DeepSpeed 0.19.8 no longer reads it; zcore's I/O threads are aio.intra_op_parallelism"),
     "bf16.immediate_grad_update": ("bool", "zcore accumulates gradients in fp32 and steps at the boundary"),
-    "bf16.check_grad_overflow": ("bool", "zcore's bf16 steps with the gradients as they are"),
     "checkpoint.load_universal": ("bool", "zcore checkpoints reload at any world size as they are"),
     "checkpoint.use_node_local_storage": ("bool", "every rank writes to the one checkpoint directory"),
     "checkpoint.parallel_write": (

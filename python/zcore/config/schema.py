@@ -45,6 +45,9 @@ class BF16Config(Section):
     # optimizer takes) in bf16, and with them Adam's moments in bf16.
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    # DeepSpeed's default (0.19.8): a step whose gradients are not finite is
+    # skipped, as fp16's are; false applies them as they are.
+    check_grad_overflow: bool = True
 
     @model_validator(mode="after")
     def _states_need_master(self) -> BF16Config:

@@ -32,7 +32,8 @@ class LossScaler(Protocol):
 
 @dataclass
 class NoLossScaler:
-    """bf16 and fp32: gradients are not scaled and overflow is not checked."""
+    """bf16 and fp32: gradients are not scaled; with ``checks_overflow``
+    (bf16.check_grad_overflow) a step whose gradients are not finite is skipped."""
 
     scale: float = 1.0
     checks_overflow: bool = False
@@ -149,7 +150,7 @@ def precision_from_config(config: Config) -> MixedPrecision:
         compute = torch.float16
         cast_buffers = fp16.cast_buffers
     else:
-        scaler = NoLossScaler()
+        scaler = NoLossScaler(checks_overflow=config.bf16.enabled and config.bf16.check_grad_overflow)
         compute = torch.bfloat16 if config.bf16.enabled else torch.float32
         cast_buffers = config.bf16.enabled and config.bf16.cast_buffers
     # Gradients are reduced in fp32 unless the config asks otherwise: summing
