@@ -101,9 +101,10 @@ SURFACE = {
     # Forward, backward, step.
     "forward": ("DS", "the module's forward -> the same, through zcore's hooks",
                 lambda s: torch.equal(s.e.forward(s.x), s.model(s.x))),
-    "backward": ("DS ACC PL", "backward(loss, retain_graph=False, scale_wrt_gas=True) -> the same arguments",
+    "backward": ("DS ACC PL", "backward(loss, retain_graph=False, scale_wrt_gas=True) -> the same arguments, "
+                 "and it returns the loss divided by the accumulation steps, as DeepSpeed's does",
                  lambda s: parameter_names(s.e.backward) == ["loss", "retain_graph", "scale_wrt_gas"]
-                 and s.facts["retained"]),
+                 and s.facts["retained"] and all(got == expected for got, expected in s.facts["returned"])),
     "step": ("DS ACC PL", "step(lr_kwargs=None) -> the same", lambda s: parameter_names(s.e.step) == ["lr_kwargs"]),
     "is_gradient_accumulation_boundary": (
         "DS", "whether the coming backward ends the window -> the same",
@@ -248,7 +249,7 @@ class Session:
             x, y = batch(i)
             facts["boundaries"].append(e.is_gradient_accumulation_boundary())
             loss = nn.functional.mse_loss(e(x), y)
-            e.backward(loss, retain_graph=True)
+            facts.setdefault("returned", []).append((e.backward(loss, retain_graph=True).item(), loss.item() / GAS))
             e.step()
             facts["applied"].append(e.was_step_applied())
         facts["retained"] = loss.grad_fn is not None

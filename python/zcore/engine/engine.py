@@ -201,7 +201,9 @@ class Engine(DeepSpeedEngineNames):
         ``scale_wrt_gas`` is False: the caller scaled it, as DeepSpeed's
         argument says) and by the fp16 loss scale; gradients are reduced
         across ranks as backward produces them. ``retain_graph``: passed on
-        to torch's backward, as DeepSpeed does."""
+        to torch's backward, as DeepSpeed does. Returns, as DeepSpeed's, the
+        loss scaled for accumulation (divided by gradient_accumulation_steps
+        unless ``scale_wrt_gas`` is False)."""
         self.lifetime.check_usable()
         with self.calls.call(Phase.BACKWARD.value, self.micro_steps):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -217,7 +219,8 @@ class Engine(DeepSpeedEngineNames):
                     optimizer, lambda: (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
                 )
             self.micro_step_phase = MicroStep.AWAITING_STEP
-        return loss
+        gas = self.batch.gradient_accumulation_steps
+        return loss / gas if scale_wrt_gas and gas != 1 else loss
 
     def pipeline_backward(self, run: Callable[[float], T], boundary: bool, loss: Optional[torch.Tensor]) -> T:
         """One micro-batch's backward as a pipeline schedule runs it
