@@ -163,3 +163,30 @@ def test_consolidation_streams(tmp_path: Path) -> None:
     assert growth <= 2 * largest + (24 << 20), f"peak RSS grew {growth / 2**20:.1f} MiB (model {total >> 20} MiB)"
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert len(out) == 101 and torch.equal(out["many.7"], torch.full((512, 1024), 7.0))
+
+
+@pytest.mark.parametrize(("name", "stage"), [("gpt", 3), ("mlp", 1)])
+def test_deepspeeds_zero_to_fp32_names_read_zcores_checkpoints(name: str, stage: int, tmp_path: Path) -> None:
+    """zcore.utils.zero_to_fp32, as deepspeed.utils.zero_to_fp32 (the
+    "mlp" model has frozen parameters, which exclude_frozen_parameters drops)."""
+    from zcore.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    ckpt = tmp_path / "ckpt"
+    gathered = run_ranks(train_and_save, 2, name, stage, str(ckpt))[0]["gathered"]
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert state_dict.keys() == gathered.keys()
+    assert all(torch.equal(state_dict[k], v.float()) for k, v in gathered.items())
+    frozen = {n for n, p in make_model(name).named_parameters() if not p.requires_grad}
+    assert (name == "mlp") == bool(frozen)
+    assert get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True).keys() == (
+        gathered.keys() - frozen)
+    files = convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "out", max_shard_size="1KB")
+    assert len(files) > 1 and weights_in(tmp_path / "out").keys() == gathered.keys()
+    model = load_state_dict_from_zero_checkpoint(make_model(name), ckpt)
+    assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in gathered.items())
+    with pytest.raises(zcore.InvalidArgumentError, match="lazy_mode"):
+        get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)

@@ -30,12 +30,16 @@ PUBLIC = {
         "unset_z3_leaf_modules", "unwrap_model_for_generation", "z3_leaf_module", "z3_leaf_parameter",
     ],
     "zcore.utils": [
-        "get_z3_leaf_modules", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+        "RepeatingLoader", "get_z3_leaf_modules", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
         "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
         "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
         "safe_update_full_grad_vectorized", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
         "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+    ],
+    "zcore.utils.zero_to_fp32": [
+        "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
+        "load_state_dict_from_zero_checkpoint",
     ],
     "zcore.config": ["Config", "load_config"],
     "zcore.checkpoint": ["consolidate", "full_state_dict", "load_checkpoint", "load_dcp", "save_checkpoint", "save_dcp"],

@@ -18,7 +18,7 @@ import torch
 
 from zcore import arguments
 from zcore.checkpoint import durable
-from zcore.checkpoint.layout import TensorInfo, tensor_infos
+from zcore.checkpoint.layout import FROZEN, TensorInfo, tensor_infos
 from zcore.checkpoint.load import read_indexes, read_meta, resolve
 from zcore.checkpoint.saved_ranges import SavedRanges
 from zcore.checkpoint.schema import Meta
@@ -43,14 +43,7 @@ def consolidate(
     ``safetensors.torch.load_file`` and ``model.load_state_dict``. With
     ``progress``, a bar on stderr when it is a terminal (zcore.progress)."""
     dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
-    if not Path(checkpoint_dir).is_dir():
-        raise CheckpointError(f"the checkpoint directory {checkpoint_dir} does not exist (or is not a directory)")
-    tag_dir = resolve(checkpoint_dir, tag)
-    if tag_dir is None:
-        raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
-    meta = read_meta(tag_dir)
-    infos = tensor_infos(meta.tensors)
-    keys: dict[str, str] = meta.keys
+    tag_dir, meta, infos, keys = _open(checkpoint_dir, tag)
     specs = [
         TensorSpec(key, dtype if infos[name].dtype.is_floating_point else infos[name].dtype, infos[name].shape)
         for key, name in keys.items()
@@ -76,6 +69,35 @@ def consolidate(
             out.rmdir()
         raise
     return publish(staging, out, names)
+
+
+def consolidated_state_dict(
+    checkpoint_dir: str | Path, tag: Optional[str] = None, dtype: torch.dtype = torch.float32, frozen: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict in memory (what ``consolidate`` writes,
+    floating-point tensors in ``dtype``); without ``frozen``, the frozen
+    parameters left out. Memory: the whole model."""
+    dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
+    tag_dir, meta, infos, keys = _open(checkpoint_dir, tag)
+    out = {}
+    with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved:
+        for key, name in keys.items():
+            if frozen or infos[name].role != FROZEN:
+                value = _whole(saved, infos, name)
+                out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
+
+
+def _open(checkpoint_dir: str | Path, tag: Optional[str]) -> tuple[Path, Meta, dict[str, TensorInfo], dict[str, str]]:
+    """The tag directory, its record, its tensors and their state-dict keys."""
+    checkpoint_dir = arguments.directory(checkpoint_dir, "checkpoint_dir")
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"the checkpoint directory {checkpoint_dir} does not exist (or is not a directory)")
+    tag_dir = resolve(checkpoint_dir, tag)
+    if tag_dir is None:
+        raise CheckpointError(f"{checkpoint_dir} holds no 'latest' file: name the tag to consolidate")
+    meta = read_meta(tag_dir)
+    return tag_dir, meta, tensor_infos(meta.tensors), meta.keys
 
 
 def _write(

@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.utils`` names, for code written against DeepSpeed:
 the tensor-fragment calls that read and write one parameter's master
 weights, optimizer states and gradient although ZeRO cuts them across the
-ranks, and the leaf-module helpers.
+ranks, the leaf-module helpers, ``RepeatingLoader``, and (in
+``zcore.utils.zero_to_fp32``) the whole model's weights from a checkpoint.
 
     from zcore.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -54,6 +55,7 @@ from zcore.zero3.leaf_modules import (
 )
 
 __all__ = [
+    "RepeatingLoader",
     "get_z3_leaf_modules",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
@@ -164,6 +166,27 @@ def safe_update_full_grad_vectorized(
     located = [(fragments.locate(p, caller, writes=True), p) for p in param_list]
     trained = [(target, p) for target, p in located if target is not None]
     fragments.update_full_grads([t for t, _ in trained], update_func, [p for _, p in trained], caller)
+
+
+class RepeatingLoader:
+    """DeepSpeed's ``deepspeed.utils.RepeatingLoader``: iterates over
+    ``loader`` again and again, starting it afresh whenever it ends (a
+    DistributedSampler's epoch stays as set: call ``set_epoch`` on it to
+    reshuffle)."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+        self._iterator = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.loader)
+            return next(self._iterator)  # an empty loader ends here too
 
 
 def _key(optim_state_key: Any) -> str:
