@@ -475,7 +475,10 @@ SECTION_DESCRIPTIONS: dict[str, str] = {
     "fp16": "float16 mixed precision with loss scaling.",
     "zero_optimization": "The ZeRO stage, its buckets and budgets, offload, ZeRO++ and MiCS.",
     "zero_optimization.offload_optimizer": "Where the fp32 master weights and the optimizer states live (stages 1-3).",
-    "zero_optimization.offload_param": "Where each rank's parameter shards rest between uses (stage 3 only).",
+    "zero_optimization.offload_param": (
+        "Where each rank's parameter shards rest between uses: read at stage 3 only; below it the "
+        "section is ignored (as DeepSpeed ignores it) and the decided-keys log line says so."
+    ),
     "zero_optimization.leaf_module": (
         "Stage 3: the modules gathered whole when entered (leaf modules), marked at `zcore.initialize` as "
         "`zcore.set_z3_leaf_modules` marks them. Each list also takes a single string."

@@ -488,7 +488,11 @@ def expected_config(raw: Any) -> Any:
             return REFUSED  # NVMe offload needs a directory: a non-empty nvme_path
     param = zero.get("offload_param")
     if isinstance(param, dict) and param.get("device", "none") != "none" and zero.get("stage", 0) != 3:
-        return REFUSED  # parameters are sharded, so offloaded, only at stage 3
+        # Read at stage 3 only (parameters are sharded, so offloaded, there):
+        # ignored below, as DeepSpeed ignores it; an emptied section goes too.
+        zero = {**zero, "offload_param": GONE}
+        left = any(v is not GONE for v in zero.values())
+        expected = {**expected, "zero_optimization": zero if left else GONE}
     return expected
 
 

@@ -92,12 +92,7 @@ def test_inconsistent_batch_sizes_are_refused(train, micro, gas, match):
         ({"flops_profiler": {"profile_step": 0}}, r"flops_profiler.profile_step"),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage"),
         ({"zero_optimization": {"stage3_max_live_parameters": -1}}, r"stage3_max_live_parameters"),
-        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param.device = 'cpu' needs zero_optimization.stage = 3"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}, r"offload_param.device"),
-        (
-            {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-            r"offload_param.device = 'nvme' needs zero_optimization.stage = 3",
-        ),
     ],
 )
 def test_bad_keys_are_named(config, match):
@@ -645,3 +640,18 @@ def test_deepspeeds_muon_keys_are_read_as_deepspeed_reads_them(key, value, refus
         return
     with pytest.raises(zcore.ConfigError, match=f"optimizer.params.{key}.*{refused}.*remove the key"):
         load_config(config)
+
+
+@pytest.mark.parametrize("stage", [0, 1, "2"])
+def test_parameter_offload_below_stage_3_is_ignored_as_deepspeed_ignores_it(stage):
+    """DeepSpeed reads offload_param at stage 3 only (a template whose stage
+    was lowered keeps it): the parameters stay on the device, and the
+    decided-keys line says so."""
+    for device in ("cpu", "nvme"):
+        cfg = load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": stage, "offload_param": {"device": device, "nvme_path": "/nvme", "pin_memory": True}}})
+        assert cfg.zero_optimization.offload_param.device == "none"
+        assert f"offload_param (device '{device}': read at stage 3 only, so ignored at stage {int(stage)}" in (
+            cfg.decided_keys_line())
+    kept = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert kept.zero_optimization.offload_param.device == "cpu"

@@ -222,6 +222,7 @@ def translate(raw: dict, top_level: Iterable[str]) -> Translation:
     _rename_aliases(result)
     _switch_offload(result)
     _drop_auto(result)
+    _drop_param_offload_below_stage_3(result)
     _take_tuning_keys(result)
     _drop_unsupported(result)
     known = set(top_level) | {key.split(".")[0] for key in (*TUNING_KEYS, *UNSUPPORTED_KEYS, *ALIASES)}
@@ -297,6 +298,26 @@ def _switch_offload(result: Translation) -> None:
             else:
                 _put(result.config, section, {"device": "cpu"})
                 result.decided.append(f"{switch} (DeepSpeed's deprecated name: read as {section}.device = 'cpu')")
+
+
+def _drop_param_offload_below_stage_3(result: Translation) -> None:
+    """DeepSpeed reads offload_param at stage 3 only and ignores it below (a
+    template whose stage was lowered keeps it): so does zcore, saying so."""
+    found, section = _get(result.config, "zero_optimization.offload_param")
+    device = section.get("device", "none") if isinstance(section, dict) else "none"
+    if not found or not isinstance(device, str) or device.lower() == "none":
+        return
+    stage_found, stage = _get(result.config, "zero_optimization.stage")
+    if stage_found and kind_problem(stage, "int") is not None:
+        return  # the schema names the bad stage
+    stage = as_number(stage) if stage_found else 0
+    if stage in (0, 1, 2):  # stage 3 reads it; the schema refuses any other
+        stage = int(stage)
+        _pop(result.config, "zero_optimization.offload_param")
+        result.decided.append(
+            f"zero_optimization.offload_param (device {device!r}: read at stage 3 only, so ignored at stage "
+            f"{stage}, as DeepSpeed ignores it; parameters stay on the device)"
+        )
 
 
 def _drop_auto(result: Translation) -> None:
