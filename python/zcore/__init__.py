@@ -51,6 +51,7 @@ from zcore.memory.swap import SwapManager
 from zcore.zero3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 import zcore.zero  # noqa: F401 - DeepSpeed's deepspeed.zero names, as zcore.zero
 import zcore.utils  # noqa: F401 - DeepSpeed's deepspeed.utils names, as zcore.utils
+import zcore.checkpointing  # noqa: F401 - DeepSpeed's deepspeed.checkpointing names
 
 __version__ = "0.1.0"
 

@@ -41,6 +41,7 @@ PUBLIC = {
         "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
         "load_state_dict_from_zero_checkpoint",
     ],
+    "zcore.checkpointing": ["checkpoint", "configure", "is_configured", "non_reentrant_checkpoint", "reset"],
     "zcore.config": ["Config", "load_config"],
     "zcore.checkpoint": ["consolidate", "full_state_dict", "load_checkpoint", "load_dcp", "save_checkpoint", "save_dcp"],
     "zcore.optim": [

@@ -149,8 +149,9 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
         "section", "zcore writes checkpoints with its own writer (in the background: checkpoint.async_save)"),
     "activation_checkpointing": (
         "section",
-        "these keys configure deepspeed.checkpointing.checkpoint; zcore trains models that checkpoint with "
-        "torch.utils.checkpoint (activation offload to the CPU: torch.autograd.graph.save_on_cpu)"),
+        "these keys configure deepspeed.checkpointing.checkpoint, which zcore.checkpointing gives "
+        "(zcore.checkpointing.configure(None, deepspeed_config=...) reads them); models that checkpoint with "
+        "torch.utils.checkpoint need none of them"),
     "pipeline": (
         "section",
         "the section configures DeepSpeed's PipelineModule; zcore pipelines through zcore.pipelining's "
