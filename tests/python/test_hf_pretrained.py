@@ -365,7 +365,26 @@ def vit(seed):
     return transformers.ViTModel(config)
 
 
-CONVERTED = {"mixtral": mixtral, "vit": vit}
+def dinov2_swiglu(seed):
+    """A fused weight and its fused bias, each split in two by its own
+    conversion and read in turn (gate weight, gate bias, up weight, up bias)."""
+    torch.manual_seed(seed)
+    config = transformers.Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=24, image_size=8, patch_size=4, use_swiglu_ffn=True)
+    return transformers.Dinov2Model(config)
+
+
+def molmo2(seed):
+    """A conversion that splits a fused projection to the model's own
+    parameter shapes (placeholders at stage 3)."""
+    torch.manual_seed(seed)
+    config = transformers.Molmo2TextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                           max_position_embeddings=32, head_dim=8)
+    return transformers.Molmo2TextModel(config)
+
+
+CONVERTED = {"mixtral": mixtral, "vit": vit, "dinov2": dinov2_swiglu, "molmo2": molmo2}
 
 
 def load_converted(rank, world, directories, stage):

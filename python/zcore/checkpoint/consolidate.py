@@ -79,12 +79,16 @@ def consolidated_state_dict(
     parameters left out. Memory: the whole model."""
     dtype = arguments.dtype(dtype, "dtype", arguments.FLOATING_DTYPES)
     tag_dir, meta, infos, keys = _open(checkpoint_dir, tag)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    read: dict[str, torch.Tensor] = {}  # by tensor: tied keys share one, as in model.state_dict()
     with SavedRanges(tag_dir, read_indexes(tag_dir, meta)) as saved:
         for key, name in keys.items():
-            if frozen or infos[name].role != FROZEN:
+            if not frozen and infos[name].role == FROZEN:
+                continue
+            if name not in read:
                 value = _whole(saved, infos, name)
-                out[key] = value.to(dtype) if value.is_floating_point() else value
+                read[name] = value.to(dtype) if value.is_floating_point() else value
+            out[key] = read[name]
     return out
 
 

@@ -10,8 +10,9 @@ its ``layers.0.attention.q_proj``), and some tensors are made of several
 layout again. zcore applies the same mapping with transformers' own
 functions: a renamed tensor is read by element ranges like any other; a
 converted one is built whole in host memory from its sources by
-transformers' operations (only the latest is kept: the slots that read it
-come one after another) and its ranges are cut from there.
+transformers' operations (the latest two are kept: a fused weight's and its
+bias's conversions are read in turn; an older one read again is built
+again) and its ranges are cut from there.
 
 Without transformers, or for a model that is not a transformers
 ``PreTrainedModel``, the names are the file's.
@@ -26,6 +27,8 @@ from typing import Any, Optional
 import torch
 
 from zcore.errors import CheckpointError, CheckpointMismatchError
+
+KEPT = 2  # conversions whose tensors stay in memory for their next reads
 
 
 class CheckpointNames:
@@ -43,8 +46,12 @@ class CheckpointNames:
         self._module = module
         self._shapes = model_shapes
         self.file_key: dict[str, str] = {}  # model-side name -> file key (renamed, or as it is)
-        self._converters: dict[str, Any] = {}  # model key -> the conversion that makes it
-        self._built: tuple[Any, dict[str, torch.Tensor]] | None = None  # the latest conversion's tensors
+        # model key -> the conversion that makes it, holding its sources' readers
+        # (never run itself: transformers' convert consumes them; a copy is).
+        self._converters: dict[str, Any] = {}
+        # The latest conversions' tensors, newest last: a fused weight's and
+        # its bias's conversions are read in turn (gate, bias, up, bias).
+        self._built: list[tuple[Any, dict[str, torch.Tensor]]] = []
         transforms = _conversions(module)
         if transforms is None:
             self.file_key = {k: k for k in file_keys}
@@ -81,12 +88,16 @@ class CheckpointNames:
         return key in self._converters and key not in self.file_key
 
     def whole(self, key: str) -> torch.Tensor:
-        """A converted tensor, whole (built once for the tensors it shares a conversion with)."""
+        """A converted tensor, whole: built with the tensors it shares a
+        conversion with, which are kept for the next reads (the latest
+        KEPT conversions; an older one is built again when read again)."""
         converter = self._converters[key]
-        if self._built is None or self._built[0] is not converter:
-            self._built = None  # before building the next: one conversion in memory at a time
-            self._built = (converter, self._convert(converter, key))
-        value = self._built[1].get(key)
+        built = next((out for c, out in self._built if c is converter), None)
+        if built is None:
+            del self._built[: max(0, len(self._built) - KEPT + 1)]  # before building: bounded memory
+            built = self._convert(converter, key)
+            self._built.append((converter, built))
+        value = built.get(key)
         if value is None:
             raise CheckpointError(f"transformers' conversion of the checkpoint's tensors gave no {key!r}")
         expected = tuple(self._shapes[key])
@@ -99,14 +110,34 @@ class CheckpointNames:
         return value
 
     def _convert(self, converter: Any, key: str) -> dict[str, torch.Tensor]:
+        model = _WholeShapes(self._module, self._shapes)
         try:
-            out = converter.convert(key, model=self._module, config=getattr(self._module, "config", None))
+            out = deepcopy(converter).convert(key, model=model, config=getattr(self._module, "config", None))
         except Exception as exc:
             raise CheckpointError(
                 f"transformers' conversion of the checkpoint's tensors into {key!r} failed "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         return {k: v.contiguous() for k, v in out.items()}
+
+
+class _WholeShapes:
+    """The model as a conversion sees it: its parameters at their whole
+    shapes (meta tensors; a ZeRO-3 parameter is a placeholder between uses,
+    and an operation such as transformers' Split sizes its outputs from the
+    parameters), everything else the model's own."""
+
+    def __init__(self, module: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+        self._module = module
+        self._shapes = shapes
+
+    def get_parameter(self, target: str) -> torch.Tensor:
+        if target in self._shapes:
+            return torch.empty(self._shapes[target], dtype=self._module.get_parameter(target).dtype, device="meta")
+        return self._module.get_parameter(target)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def _conversions(module: torch.nn.Module) -> Optional[list]:

@@ -78,12 +78,20 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 def load_state_dict_from_zero_checkpoint(
     model: torch.nn.Module, checkpoint_dir: Union[str, Path], tag: Optional[str] = None
 ) -> torch.nn.Module:
-    """Loads the checkpoint's fp32 weights into ``model`` (not an engine's:
-    a plain module, as after training) and returns it."""
+    """Moves ``model`` (a plain module, not an engine's) to the CPU, loads
+    the checkpoint's fp32 weights into it and returns it, as DeepSpeed's
+    does: not strictly (a key either side lacks is left as it is, and named
+    in a warning)."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgumentError(
             f"load_state_dict_from_zero_checkpoint takes a torch.nn.Module, got {type(model).__name__}",
             argument="model",
         )
-    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
+    model = model.cpu()
+    missing, unexpected = model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag),
+                                                strict=False)
+    if missing or unexpected:
+        log.warning("zcore: load_state_dict_from_zero_checkpoint: %d keys of the model not in the checkpoint %s, "
+                    "%d in the checkpoint not in the model %s", len(missing), missing[:5], len(unexpected),
+                    unexpected[:5])
     return model
