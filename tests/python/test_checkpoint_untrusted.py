@@ -287,3 +287,24 @@ def resigned_counters(rank: int, world: int, root: str) -> str:
 def test_a_resigned_counter_that_names_an_engine_attribute_is_refused(tmp_path: Path) -> None:
     message = run_ranks(resigned_counters, 1, str(tmp_path), launcher=False)[0]
     assert "meta.json" in message and "counters.optimizer" in message and "tampering" in message
+
+
+def resigned_empty_schedule(rank: int, world: int, root: str) -> str:
+    root = Path(root)
+    engine = trained_engine(steps=1)
+    tag = engine.save_checkpoint(root, tag="t")
+    meta = durable.read_json(tag / "meta.json")
+    assert meta["lr_scheduler"]  # CONFIG schedules the learning rate
+    meta["lr_scheduler"] = {}
+    durable.write_json(tag / "meta.json", meta)
+    before = snapshot(engine)
+    with pytest.raises(zcore.CheckpointError) as info:
+        engine.load_checkpoint(root)
+    assert same(before, snapshot(engine))
+    return str(info.value)
+
+
+def test_a_resigned_schedule_without_its_position_is_refused(tmp_path: Path) -> None:
+    """Found by the fuzz above: it raised a bare KeyError that named no file."""
+    message = run_ranks(resigned_empty_schedule, 1, str(tmp_path), launcher=False)[0]
+    assert "meta.json" in message and "lr_scheduler" in message and "last_batch_iteration" in message, message

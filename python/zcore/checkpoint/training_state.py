@@ -136,6 +136,8 @@ def check_scheduler(scheduler: Any, saved: dict) -> None:
     zcore's own schedules also compute their learning rates from it."""
     check_like(saved, scheduler.state_dict(), "")
     if hasattr(scheduler, "_apply"):  # zcore.optim.lr_schedules: a probe that leaves the optimizer alone
+        if "last_batch_iteration" not in saved:
+            raise ValueError("lacks last_batch_iteration, the schedule's position")
         probe = copy.copy(scheduler)
         probe.last_batch_iteration = saved["last_batch_iteration"]
         try:
