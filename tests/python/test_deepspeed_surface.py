@@ -106,6 +106,9 @@ SURFACE = {
                  lambda s: parameter_names(s.e.backward) == ["loss", "retain_graph", "scale_wrt_gas"]
                  and s.facts["retained"] and all(got == expected for got, expected in s.facts["returned"])),
     "step": ("DS ACC PL", "step(lr_kwargs=None) -> the same", lambda s: parameter_names(s.e.step) == ["lr_kwargs"]),
+    "no_sync": ("DS ACC", "a block whose backward passes end no window -> the same (not refused at stages 2-3, nor "
+                "a step inside: it counts the micro-step, as Accelerate's loops expect)",
+                lambda s: parameter_names(s.e.no_sync) == []),
     "is_gradient_accumulation_boundary": (
         "DS", "whether the coming backward ends the window -> the same",
         lambda s: s.facts["boundaries"] == [False, True],
@@ -212,7 +215,6 @@ SURFACE = {
 
 # DeepSpeed names zcore refuses (an AttributeError naming the name and what zcore does instead) -> a phrase of it.
 REFUSED = {
-    "no_sync": "set_gradient_accumulation_boundary",
     "coalesce_grad_reduction": "engine.backward",
     "scale": "scale_wrt_gas=False",
     "offload_states": "offload_optimizer",

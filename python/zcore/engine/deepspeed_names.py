@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 
 # DeepSpeed engine names zcore does not provide: what zcore does instead.
 REFUSED: dict[str, str] = {
-    "no_sync": (
-        "zcore reduces gradients at accumulation boundaries only (stages 0-1) or reduce-scatters them every "
-        "micro-step (stages 2-3, where DeepSpeed refuses no_sync too); for micro-batches that must not step, "
-        "set gradient_accumulation_steps or call engine.set_gradient_accumulation_boundary(False)"
-    ),
     "coalesce_grad_reduction": (
         "zcore reduces an accumulation window's gradients once, at its last backward, at stages 0-1 (at "
         "stages 2-3 each micro-step's, keeping only shards); call engine.backward(loss) and engine.step() "

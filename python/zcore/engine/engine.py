@@ -8,12 +8,13 @@ boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -118,6 +119,7 @@ class Engine(DeepSpeedEngineNames):
         self.last_step_applied = False  # whether the last step() updated the parameters
         self.micro_step_phase = MicroStep.AWAITING_BACKWARD
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's, over the count
+        self._no_sync = False  # inside no_sync(): backward passes end no window
         self._frozen = FrozenParameters(module)
         if optimizer is not None and self.observation.records_steps:
             optimizer.measures_norm = True
@@ -185,9 +187,30 @@ class Engine(DeepSpeedEngineNames):
     # Backward and step.
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the coming backward ends an accumulation window (its step updates)."""
+        if self._no_sync:
+            return False
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A block whose backward passes end no accumulation window, as
+        DeepSpeed's and DDP's ``no_sync``: at stages 0-1 they sum this rank's
+        gradients without reducing them (DeepSpeed's meaning), at stages 2-3
+        (which DeepSpeed refuses) each is still reduce-scattered into this
+        rank's shard, which is all zcore keeps. The first backward after the
+        block that ends the window completes it, and its step applies the
+        sum. A ``step()`` inside only counts the micro-step, as after any
+        backward within a window (DeepSpeed refuses it; Accelerate's and
+        the Trainer's loops step every micro-batch)."""
+        if self._no_sync:
+            raise InvalidStateError("engine.no_sync() was entered inside another no_sync() block (as DeepSpeed, unsupported)")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """As DeepSpeed's: whether the coming micro-steps end an accumulation,

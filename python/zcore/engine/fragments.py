@@ -16,11 +16,13 @@ What the calls see, and when (as in DeepSpeed):
   compute-dtype parameters take it at the next optimizer step;
 - a ranged optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``) once the
   optimizer has made it, at the parameter's first step;
-- the gradient (averaged over the ranks, loss-scaled under fp16, in fp32)
-  after the backward that ends an accumulation window, until the step;
-  None before any backward of a window and after the step; refused in the
-  middle of a window, when stages 0 and 1 hold only this rank's unreduced
-  sum. A written gradient is what the step then applies.
+- the gradient (in fp32, loss-scaled under fp16, as DeepSpeed holds it)
+  from a backward until the step: at the window's end, averaged over the
+  ranks; within a window (gradient accumulation, ``engine.no_sync()``), at
+  stages 2-3 the shards reduced so far, and at stages 0-1 this rank's own
+  sum so far, not yet reduced (read and written on this rank alone, as
+  DeepSpeed's ``param.grad`` there); None before a window's first backward
+  and after the step. A written gradient is what the step then applies.
 
 Parameters that zcore does not train (frozen, or left out of the
 optimizer's groups) give None, and writes to them do nothing, as
@@ -29,6 +31,7 @@ DeepSpeed's do. Values on NVMe are read and written one sub-group at a time.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -40,6 +43,7 @@ from zcore.checkpoint.full_state import refuse_model_parallel
 from zcore.comm import collectives as comm
 from zcore.engine.engine import Engine, MicroStep
 from zcore.errors import InvalidArgumentError, InvalidStateError
+from zcore.step.grad_reduction import AccumulateThenReduce
 from zcore.step.swapped_optimizer import SwappedMaster, resting_keys, state_rows
 from zcore.step.units import Piece, Unit
 
@@ -173,9 +177,13 @@ def local(target: Target, key: Optional[str]) -> torch.Tensor:
 
 def full_grad(target: Target) -> Optional[torch.Tensor]:
     """The whole gradient, or None where there is none (module docstring).
-    Collective over the ranks sharing the shards."""
-    if not _has_gradients(target, "safe_get_full_grad"):
+    Collective over the ranks sharing the shards, except within a window at
+    stages 0-1 (this rank's own sum, whole here)."""
+    window = _window(target)
+    if window is Window.NONE:
         return None
+    if window is Window.LOCAL:
+        return _local_sum(target).to(device=target.device, copy=True).view(target.shape)
     buf = torch.zeros(target.numel, dtype=torch.float32, device=target.device)
     meta = target.meta
     if meta is not None:
@@ -185,11 +193,13 @@ def full_grad(target: Target) -> Optional[torch.Tensor]:
 
 
 def local_grad(target: Target) -> Optional[torch.Tensor]:
-    if not _has_gradients(target, "safe_get_local_grad"):
+    window = _window(target)
+    if window is Window.NONE:
         return None
     if target.meta is None:
         return torch.empty(0, dtype=torch.float32, device=target.device)
-    return _grad_piece(target).to(device=target.device, copy=True)
+    piece = _local_piece(target) if window is Window.LOCAL else _grad_piece(target)
+    return piece.to(device=target.device, copy=True)
 
 
 # Writes.
@@ -210,7 +220,10 @@ def set_local(target: Target, key: Optional[str], value: Any, caller: str) -> No
 
 def set_full_grad(target: Target, value: Any, caller: str) -> None:
     flat = _checked_value(value, target.numel, f"the whole parameter {target.name!r} {tuple(target.shape)}", caller)
-    _require_gradients(target, caller)
+    if _required_window(target, caller) is Window.LOCAL:
+        _mark_used(target)
+        _local_sum(target).copy_(flat)
+        return
     meta = target.meta
     _write_grad_piece(target, None if meta is None else flat[meta.param_start : meta.param_start + meta.numel])
 
@@ -218,7 +231,11 @@ def set_full_grad(target: Target, value: Any, caller: str) -> None:
 def set_local_grad(target: Target, value: Any, caller: str) -> None:
     meta = target.meta
     flat = _checked_value(value, 0 if meta is None else meta.numel, _local_what(target), caller)
-    _require_gradients(target, caller)
+    if _required_window(target, caller) is Window.LOCAL:
+        _mark_used(target)
+        if meta is not None:
+            _local_piece(target).copy_(flat)
+        return
     _write_grad_piece(target, None if meta is None else flat)
 
 
@@ -226,10 +243,8 @@ def update_full_grads(targets: list[Target], update: Callable[[torch.Tensor, tor
                       params: list[torch.nn.Parameter], caller: str) -> None:
     """Each parameter's whole gradient replaced by ``update(gradient, param)``."""
     for target, param in zip(targets, params):
-        gradient = full_grad(target)
-        if gradient is None:
-            _require_gradients(target, caller)
-        set_full_grad(target, update(gradient, param), caller)
+        _required_window(target, caller)
+        set_full_grad(target, update(full_grad(target), param), caller)
 
 
 # The pieces where they live.
@@ -301,16 +316,33 @@ def _grad_piece(target: Target) -> torch.Tensor:
 
 
 def _write_grad_piece(target: Target, values: Optional[torch.Tensor]) -> None:
-    reducer = target.engine.optimizer.reducer
-    u = target.place.unit
-    # The step's optimizer skips a parameter no rank gave a gradient.
-    reducer.window_used[u][target.place.index] = 1
+    _mark_used(target)
     if values is None:
         return
+    reducer = target.engine.optimizer.reducer
+    u = target.place.unit
     meta = target.meta
     shard = reducer.grad_shard(u)
     shard[meta.shard_start : meta.shard_start + meta.numel].copy_(values)
     reducer.put_grad_shard(u, shard)
+
+
+def _mark_used(target: Target) -> None:
+    """The step's optimizer skips a parameter no rank gave a gradient."""
+    target.engine.optimizer.reducer.window_used[target.place.unit][target.place.index] = 1
+
+
+def _local_sum(target: Target) -> torch.Tensor:
+    """Stages 0-1 within a window: this rank's sum of the window's
+    gradients so far, the whole parameter, in place (not yet reduced)."""
+    acc = target.engine.optimizer.reducer.acc[target.place.unit]
+    return target.unit.param_slice(acc, target.place.index)
+
+
+def _local_piece(target: Target) -> torch.Tensor:
+    """This rank's part of ``_local_sum``."""
+    meta = target.meta
+    return _local_sum(target)[meta.param_start : meta.param_start + meta.numel]
 
 
 def _sum_over_shard_ranks(target: Target, buf: torch.Tensor) -> None:
@@ -320,30 +352,32 @@ def _sum_over_shard_ranks(target: Target, buf: torch.Tensor) -> None:
         comm.all_reduce_sum(buf, group=shard.group)
 
 
-# When gradients are there.
-def _has_gradients(target: Target, caller: str) -> bool:
-    """True after the backward that ends a window, until the step; False
-    before a window's first backward; refused within a window."""
+# When gradients are there, and which.
+class Window(enum.Enum):
+    NONE = "no gradient held"  # before a window's first backward, and after the step
+    REDUCED = "averaged over the ranks"  # the window's end; within it, stages 2-3 (the shards so far)
+    LOCAL = "this rank's own sum"  # within a window at stages 0-1, which reduce at its end
+
+
+def _window(target: Target) -> Window:
     engine = target.engine
-    boundary = engine.optimizer.reducer.boundary
-    if engine.micro_step_phase is MicroStep.AWAITING_STEP and boundary:
-        return True
+    reducer = engine.optimizer.reducer
     if engine.micro_step_phase is MicroStep.AWAITING_BACKWARD and engine.accumulated_micro_steps == 0:
-        return False
-    raise InvalidStateError(
-        f"{caller}: the engine is inside a gradient accumulation window (micro-step "
-        f"{engine.accumulated_micro_steps + 1} of {engine.batch.gradient_accumulation_steps}), where the "
-        "gradients are not yet summed over its micro-steps and ranks; read or write them after the "
-        "engine.backward() of the window's last micro-step, before engine.step()"
-    )
+        return Window.NONE
+    ended = engine.micro_step_phase is MicroStep.AWAITING_STEP and reducer.boundary
+    if ended or not isinstance(reducer, AccumulateThenReduce):
+        return Window.REDUCED
+    return Window.LOCAL
 
 
-def _require_gradients(target: Target, caller: str) -> None:
-    if not _has_gradients(target, caller):
+def _required_window(target: Target, caller: str) -> Window:
+    window = _window(target)
+    if window is Window.NONE:
         raise InvalidStateError(
-            f"{caller}: no gradients are held now (they exist from the engine.backward() that ends an "
-            "accumulation window until engine.step()); write them after that backward, before the step"
+            f"{caller}: no gradients are held now (they exist from an engine.backward() until engine.step()); "
+            "write them after a backward, before the step"
         )
+    return window
 
 
 # Errors.

@@ -27,10 +27,14 @@ What each returns, and when (zcore.engine.fragments):
   write them in ``zcore.GatheredParameters(params, modifier_rank=0)``).
 - Optimizer states (``"exp_avg"``, ``"exp_avg_sq"``): from the parameter's
   first step on.
-- Gradients (averaged over the ranks, in fp32; under fp16 still multiplied
-  by the loss scale, as DeepSpeed holds them): from the ``engine.backward()``
-  that ends an accumulation window until ``engine.step()``; None outside a
-  window; refused inside one. A written gradient is what the step applies.
+- Gradients (in fp32; under fp16 still multiplied by the loss scale, as
+  DeepSpeed holds them): from an ``engine.backward()`` until
+  ``engine.step()``, averaged over the ranks at the end of an accumulation
+  window; within one (or in ``engine.no_sync()``), at stages 0-1 this
+  rank's own sum so far (not a collective then, as DeepSpeed's
+  ``param.grad``), at stages 2-3 the reduced shards so far; None before a
+  window's first backward and after the step. A written gradient is what
+  the step applies.
 - A parameter zcore does not train (frozen, or outside the optimizer's
   groups) gives None, and writes to it do nothing, as in DeepSpeed.
 """
