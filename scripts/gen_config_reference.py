@@ -72,6 +72,11 @@ DESCRIPTIONS: dict[str, str] = {
         "Records each step's metrics (as the monitors do) and prints the time split on rank 0 every "
         "`steps_per_print` steps."
     ),
+    "Config.dataloader_drop_last": (
+        "The data loader `zcore.initialize(training_data=...)` returns drops each rank's last micro-batch "
+        "when it is incomplete, as DeepSpeed's does; its DistributedSampler still pads the ranks to equal "
+        "lengths."
+    ),
     "Config.zero_allow_untested_optimizer": (
         "Accepts a torch optimizer that zcore does not know to update element-wise at stages 1-3, where it "
         "steps slices of parameters. Set it only for an optimizer whose update is element-wise."

@@ -445,6 +445,7 @@ SCHEMA = Section({
     "steps_per_print": either(integer(1), lambda v: LIMIT if v is None or (type(v) is float and v == math.inf)
                               else REFUSED),
     "zero_allow_untested_optimizer": boolean,
+    "dataloader_drop_last": boolean,
     "out_of_step_check": Section({"enabled": boolean, "patience_seconds": real(0.0, strict=True)}),
     **{k: tuning("bool") for k in ("prescale_gradients", "dump_state", "memory_breakdown")},
     "sparse_gradients": deepspeed_default(False),
@@ -455,7 +456,7 @@ SCHEMA = Section({
 # as unknown): coercion 11 drops any other.
 DEEPSPEED_TOP_LEVEL = {
     "zero_force_ds_cpu_optimizer", "disable_allgather", "disable_python_gc", "managed_gradient_accumulation",
-    "dataloader_drop_last", "log_level", "comms_logger", "timers", "autotuning", "comet", "compile", "datastates",
+    "log_level", "comms_logger", "timers", "autotuning", "comet", "compile", "datastates",
     "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "activation_checkpointing",
     "pipeline", "data_types", "gradient_allreduce_op", "torch_autocast", "amp", "hybrid_engine", "elasticity",
     "data_efficiency", "curriculum_learning", "compression_training", "sparse_attention", "weight_quantization",

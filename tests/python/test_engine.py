@@ -141,6 +141,12 @@ def check_errors_and_data(rank, world):
     sizes = [len(x) for x, _ in loader]
     assert sizes == [2, 2, 2, 2, 2]
     check_misuse(engine, model, config)
+    # DeepSpeed's dataloader_drop_last: 9 samples in micro-batches of 2, the last one (of 1) dropped.
+    odd = torch.utils.data.TensorDataset(torch.randn(9, 8), torch.randn(9, 2))
+    for drop_last, expected in ((False, [2, 2, 2, 2, 1]), (True, [2, 2, 2, 2])):
+        _, _, loader, _ = zcore.initialize(model=small_model(), config={**config, "dataloader_drop_last": drop_last},
+                                           training_data=odd)
+        assert [len(x) for x, _ in loader] == expected, drop_last
     return True
 
 

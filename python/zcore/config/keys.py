@@ -122,7 +122,6 @@ TUNING_KEYS: dict[str, tuple[str, str]] = {
     "datastates_ckpt": ("any", "zcore writes checkpoints with its own writer"),
     "disable_python_gc": ("any", "zcore leaves Python's garbage collector to the user"),
     "managed_gradient_accumulation": ("bool", "zcore's engine.backward and step count the accumulation"),
-    "dataloader_drop_last": ("bool", "zcore.initialize(training_data=...) keeps DistributedSampler's default"),
     "log_level": ("any", "zcore logs through the logging module's 'zcore' logger"),
     "memory_breakdown": ("bool", "use engine.memory_report()"),
     "dump_state": ("bool", "use engine.memory_report() and the step metrics"),

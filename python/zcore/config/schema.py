@@ -347,6 +347,9 @@ class Config(Section):
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     out_of_step_check: OutOfStepCheckConfig = OutOfStepCheckConfig()
     zero_allow_untested_optimizer: bool = False
+    # The loader zcore.initialize(training_data=...) builds drops each rank's
+    # last, incomplete micro-batch (DeepSpeed's deepspeed_io does the same).
+    dataloader_drop_last: bool = False
     # What became of the DeepSpeed keys that are not zcore's own
     # (zcore.config.keys): tuning keys zcore decides itself, and top-level
     # keys neither DeepSpeed nor zcore reads; zcore.initialize reports both.

@@ -615,14 +615,16 @@ def data_loader(
     batch: BatchSizes,
     data_parallel: RankGroup,
     collate_fn: Optional[Callable],
+    drop_last: bool = False,
 ) -> Optional[torch.utils.data.DataLoader]:
     """Each data-parallel rank its own samples (the ranks of a "dp" group's
-    other dimensions: the same ones)."""
+    other dimensions: the same ones); ``drop_last``: the config's
+    dataloader_drop_last, each rank's incomplete last micro-batch dropped."""
     if data is None:
         return None
     sampler = torch.utils.data.DistributedSampler(
         data, num_replicas=data_parallel.size, rank=data_parallel.rank
     )
     return torch.utils.data.DataLoader(
-        data, batch_size=batch.micro_batch_per_rank, sampler=sampler, collate_fn=collate_fn
+        data, batch_size=batch.micro_batch_per_rank, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last
     )

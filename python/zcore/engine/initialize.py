@@ -123,7 +123,9 @@ def initialize(
         engine, sharded, scheduler = assemble.inference_engine(parts), None, None
     fragments.track(engine)
     _WRAPPED.add(model)
-    return engine, sharded, assemble.data_loader(training_data, engine.batch, ranks.data_parallel, collate_fn), scheduler
+    return engine, sharded, assemble.data_loader(
+        training_data, engine.batch, ranks.data_parallel, collate_fn, cfg.dataloader_drop_last
+    ), scheduler
 
 
 def _report_deepspeed_keys(cfg: Config) -> None:
