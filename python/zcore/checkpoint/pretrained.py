@@ -255,19 +255,24 @@ class _PretrainedFiles:
         shape = reader.entries[file_key].shape
         return reader.read_range(file_key, 0, math.prod(shape)).view(shape)
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def _file_tensor(self, key: str) -> tuple[TensorFileReader, str]:
+        """The reader and the file's key of the model-side name ``key``."""
         file_key = self.names.file_key[key]
-        return self._reader(self.file_of[file_key]).entries[file_key].shape
+        return self._reader(self.file_of[file_key]), file_key
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        reader, file_key = self._file_tensor(key)
+        return reader.entries[file_key].shape
 
     def dtype(self, key: str) -> torch.dtype:
-        file_key = self.names.file_key[key]
-        return self._reader(self.file_of[file_key]).entries[file_key].dtype
+        reader, file_key = self._file_tensor(key)
+        return reader.entries[file_key].dtype
 
     def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
         if self.names.is_converted(key):
             return self.names.whole(key).reshape(-1)[start:stop].clone()  # a copy: the whole is dropped later
-        file_key = self.names.file_key[key]
-        return self._reader(self.file_of[file_key]).read_range(file_key, start, stop)
+        reader, file_key = self._file_tensor(key)
+        return reader.read_range(file_key, start, stop)
 
     def close(self) -> None:
         for reader in self._readers.values():

@@ -45,15 +45,20 @@ class DistributedContext:
 
 
 def init_distributed(
-    timeout: timedelta = timedelta(minutes=10), backend: Optional[str] = None, init_method: Optional[str] = None
+    timeout: timedelta = timedelta(minutes=10), backend: Optional[str] = None, init_method: Optional[str] = None,
+    rank: Optional[int] = None, world_size: Optional[int] = None,
 ) -> DistributedContext:
     """Joins (or creates) the default process group and picks this rank's
     device. ``backend``: default NCCL where torch sees a GPU, else gloo;
-    ``init_method``: default env:// (the launcher's variables)."""
+    ``init_method``: default env:// (the launcher's variables); ``rank``
+    and ``world_size``: given, in place of the launcher's."""
     if not dist.is_initialized():
         launched = all(v in os.environ for v in _LAUNCHER_VARS)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if launched or init_method is not None:
+        if rank is not None:
+            dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
+                                    world_size=world_size, timeout=timeout)
+        elif launched or init_method is not None:
             dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         else:
             # No launcher: a world of one, with an in-memory store.

@@ -87,19 +87,13 @@ def init_distributed(
             "environment then gives them)",
             argument="rank",
         )
-    if rank >= 0 and world_size > 0:
-        method = init_method or "env://"
-        if method == "env://":
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend, init_method=method, rank=rank, world_size=world_size,
-                                timeout=timeout)
-    else:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        collectives.init_distributed(timeout, backend=dist_backend, init_method=init_method)
+    named = rank >= 0
+    if init_method in (None, "env://") and (named or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
+        # env:// with the ranks known: the rendezvous a launcher would name.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    collectives.init_distributed(timeout, backend=dist_backend, init_method=init_method,
+                                 rank=rank if named else None, world_size=world_size if named else None)
     if verbose:
         log.info("zcore: joined the process group on %s: rank %d of %d", dist.get_backend(), dist.get_rank(),
                  dist.get_world_size())

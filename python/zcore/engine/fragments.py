@@ -43,7 +43,6 @@ from zcore.checkpoint.full_state import refuse_model_parallel
 from zcore.comm import collectives as comm
 from zcore.engine.engine import Engine, MicroStep
 from zcore.errors import InvalidArgumentError, InvalidStateError
-from zcore.step.grad_reduction import AccumulateThenReduce
 from zcore.step.swapped_optimizer import SwappedMaster, resting_keys, state_rows
 from zcore.step.units import Piece, Unit
 
@@ -146,22 +145,16 @@ def locate(param: Any, caller: str, writes: bool) -> Optional[Target]:
 def full(target: Target, key: Optional[str]) -> torch.Tensor:
     """The whole master (``key`` MASTER) or optimizer state ``key``, in
     fp32 on the engine's device. Collective over the ranks sharing the shards."""
-    numel = target.numel
+    values, missing = _read_piece(target, key) if target.meta is not None else (None, None)
     # Two trailing counters: ranks lacking the state, ranks without the key,
     # so that every rank raises the same error after the one collective.
-    buf = torch.zeros(numel + 2, dtype=torch.float32, device=target.device)
-    meta = target.meta
-    if meta is not None:
-        values, missing = _read_piece(target, key)
-        if values is not None:
-            buf[meta.param_start : meta.param_start + meta.numel].copy_(values)
-        elif missing is not None:
-            buf[numel + missing] = 1
-    _sum_over_shard_ranks(target, buf)
-    lacking, unknown = int(buf[numel].item()), int(buf[numel + 1].item())
+    counters = torch.zeros(2)
+    if missing is not None:
+        counters[missing] = 1
+    whole, (lacking, unknown) = _summed(target, values, counters)
     if lacking or unknown:
         raise _state_error(target, key, lacking > 0)
-    return buf[:numel].view(target.shape).clone()
+    return whole
 
 
 def local(target: Target, key: Optional[str]) -> torch.Tensor:
@@ -184,12 +177,7 @@ def full_grad(target: Target) -> Optional[torch.Tensor]:
         return None
     if window is Window.LOCAL:
         return _local_sum(target).to(device=target.device, copy=True).view(target.shape)
-    buf = torch.zeros(target.numel, dtype=torch.float32, device=target.device)
-    meta = target.meta
-    if meta is not None:
-        buf[meta.param_start : meta.param_start + meta.numel].copy_(_grad_piece(target))
-    _sum_over_shard_ranks(target, buf)
-    return buf.view(target.shape)
+    return _summed(target, _grad_piece(target) if target.meta is not None else None, torch.zeros(0))[0]
 
 
 def local_grad(target: Target) -> Optional[torch.Tensor]:
@@ -345,11 +333,19 @@ def _local_piece(target: Target) -> torch.Tensor:
     return _local_sum(target)[meta.param_start : meta.param_start + meta.numel]
 
 
-def _sum_over_shard_ranks(target: Target, buf: torch.Tensor) -> None:
-    unit = target.unit
-    shard = target.engine.optimizer.shard
+def _summed(target: Target, piece: Optional[torch.Tensor], counters: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The whole parameter from each rank's ``piece`` (None: no part here),
+    and ``counters`` summed over the ranks, in the same collective."""
+    numel = target.numel
+    buf = torch.zeros(numel + counters.numel(), dtype=torch.float32, device=target.device)
+    meta = target.meta
+    if piece is not None:
+        buf[meta.param_start : meta.param_start + meta.numel].copy_(piece)
+    buf[numel:].copy_(counters)
+    unit, shard = target.unit, target.engine.optimizer.shard
     if unit.shard_numel != unit.padded_numel and shard.size > 1:  # stage 0: every rank holds the whole
         comm.all_reduce_sum(buf, group=shard.group)
+    return buf[:numel].view(target.shape).clone(), [int(c) for c in buf[numel:].tolist()]
 
 
 # When gradients are there, and which.
@@ -365,7 +361,7 @@ def _window(target: Target) -> Window:
     if engine.micro_step_phase is MicroStep.AWAITING_BACKWARD and engine.accumulated_micro_steps == 0:
         return Window.NONE
     ended = engine.micro_step_phase is MicroStep.AWAITING_STEP and reducer.boundary
-    if ended or not isinstance(reducer, AccumulateThenReduce):
+    if ended or engine.policies.stage.reduce_scatters_every_micro_step:
         return Window.REDUCED
     return Window.LOCAL
 

@@ -49,10 +49,8 @@ def pending_external(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _fetcher_of(params: list[torch.nn.Parameter]) -> Optional[ParamFetcher]:
-    for fetcher in _FETCHERS:
-        if any(id(p) in fetcher.group_of_param for p in params):
-            return fetcher
-    return None
+    """The fetcher sharding the first of ``params`` it shards any of."""
+    return next(iter(_fetchers_of(params)), None)
 
 
 def _fetchers_of(params: list[torch.nn.Parameter]) -> list[ParamFetcher]:

@@ -85,80 +85,65 @@ __all__ = [
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The whole fp32 master weights of ``param``. Collective."""
-    target = fragments.locate(param, "safe_get_full_fp32_param", writes=False)
-    return None if target is None else fragments.full(target, MASTER)
+    return _on(param, "safe_get_full_fp32_param", False, lambda t, _: fragments.full(t, MASTER))
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """``value`` (the whole parameter) becomes ``param``'s master weights."""
-    target = fragments.locate(param, "safe_set_full_fp32_param", writes=True)
-    if target is not None:
-        fragments.set_full(target, MASTER, value, "safe_set_full_fp32_param")
+    _on(param, "safe_set_full_fp32_param", True, lambda t, caller: fragments.set_full(t, MASTER, value, caller))
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """The whole optimizer state ``optim_state_key`` (``"exp_avg"``) of ``param``, in fp32. Collective."""
-    target = fragments.locate(param, "safe_get_full_optimizer_state", writes=False)
-    return None if target is None else fragments.full(target, _key(optim_state_key))
+    return _on(param, "safe_get_full_optimizer_state", False, lambda t, _: fragments.full(t, _key(optim_state_key)))
 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """``value`` (the whole parameter's) becomes optimizer state ``optim_state_key`` of ``param``."""
-    target = fragments.locate(param, "safe_set_full_optimizer_state", writes=True)
-    if target is not None:
-        fragments.set_full(target, _key(optim_state_key), value, "safe_set_full_optimizer_state")
+    _on(param, "safe_set_full_optimizer_state", True,
+        lambda t, caller: fragments.set_full(t, _key(optim_state_key), value, caller))
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The whole fp32 gradient of ``param`` (None where there is none). Collective."""
-    target = fragments.locate(param, "safe_get_full_grad", writes=False)
-    return None if target is None else fragments.full_grad(target)
+    return _on(param, "safe_get_full_grad", False, lambda t, _: fragments.full_grad(t))
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """``value`` (the whole parameter's) becomes the gradient the step applies to ``param``."""
-    target = fragments.locate(param, "safe_set_full_grad", writes=True)
-    if target is not None:
-        fragments.set_full_grad(target, value, "safe_set_full_grad")
+    _on(param, "safe_set_full_grad", True, lambda t, caller: fragments.set_full_grad(t, value, caller))
 
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of ``param``'s fp32 master weights, 1-D."""
-    target = fragments.locate(param, "safe_get_local_fp32_param", writes=False)
-    return None if target is None else fragments.local(target, MASTER)
+    return _on(param, "safe_get_local_fp32_param", False, lambda t, _: fragments.local(t, MASTER))
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """``value`` becomes this rank's part of ``param``'s master weights."""
-    target = fragments.locate(param, "safe_set_local_fp32_param", writes=True)
-    if target is not None:
-        fragments.set_local(target, MASTER, value, "safe_set_local_fp32_param")
+    _on(param, "safe_set_local_fp32_param", True, lambda t, caller: fragments.set_local(t, MASTER, value, caller))
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's part of optimizer state ``optim_state_key`` of ``param``, 1-D in fp32."""
-    target = fragments.locate(param, "safe_get_local_optimizer_state", writes=False)
-    return None if target is None else fragments.local(target, _key(optim_state_key))
+    return _on(param, "safe_get_local_optimizer_state", False,
+               lambda t, _: fragments.local(t, _key(optim_state_key)))
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """``value`` becomes this rank's part of optimizer state ``optim_state_key`` of ``param``."""
-    target = fragments.locate(param, "safe_set_local_optimizer_state", writes=True)
-    if target is not None:
-        fragments.set_local(target, _key(optim_state_key), value, "safe_set_local_optimizer_state")
+    _on(param, "safe_set_local_optimizer_state", True,
+        lambda t, caller: fragments.set_local(t, _key(optim_state_key), value, caller))
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of ``param``'s fp32 gradient, 1-D (None where there is none)."""
-    target = fragments.locate(param, "safe_get_local_grad", writes=False)
-    return None if target is None else fragments.local_grad(target)
+    return _on(param, "safe_get_local_grad", False, lambda t, _: fragments.local_grad(t))
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """``value`` becomes this rank's part of the gradient the step applies to ``param``."""
-    target = fragments.locate(param, "safe_set_local_grad", writes=True)
-    if target is not None:
-        fragments.set_local_grad(target, value, "safe_set_local_grad")
+    _on(param, "safe_set_local_grad", True, lambda t, caller: fragments.set_local_grad(t, value, caller))
 
 
 def safe_update_full_grad_vectorized(
@@ -191,6 +176,13 @@ class RepeatingLoader:
         except StopIteration:
             self._iterator = iter(self.loader)
             return next(self._iterator)  # an empty loader ends here too
+
+
+def _on(param: Any, caller: str, writes: bool, action: Callable[[fragments.Target, str], Any]) -> Any:
+    """``action(target, caller)`` on ``param``'s place in its engine; None
+    (nothing done) for a parameter the engine does not train, as DeepSpeed."""
+    target = fragments.locate(param, caller, writes)
+    return None if target is None else action(target, caller)
 
 
 def _key(optim_state_key: Any) -> str:
